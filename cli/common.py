@@ -1,0 +1,45 @@
+"""Shared CLI plumbing: one-line errors with exit code 2, JSON output, the console."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable
+
+import typer
+
+USAGE_ERROR = 2
+
+
+def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
+    """Print `rlctl: error: message` on stderr and exit with `code` (2 = bad input)."""
+    typer.echo(f"rlctl: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn RecipeError (and other expected input errors) into one line + exit 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from rlctl.recipes.errors import RecipeError
+
+        try:
+            return fn(*args, **kwargs)
+        except RecipeError as e:
+            fail(str(e), e.exit_code)
+        except KeyboardInterrupt:
+            typer.echo("rlctl: interrupted", err=True)
+            raise typer.Exit(130)
+
+    return wrapper
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def console():
+    from rich.console import Console
+
+    return Console()

@@ -1,0 +1,89 @@
+"""The `[inference]` and `[router]` sections: vLLM servers and the router in front of them."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import field_validator, model_validator
+
+from rlctl.recipes.base import Degree, StrictModel, positive_degree
+
+
+class DisaggregationConfig(StrictModel):
+    """Prefill/decode disaggregation: prompts go to `kv_producer` replicas, decoding to `kv_consumer` ones."""
+
+    enabled: bool = False
+    """Split inference into prefill and decode replicas."""
+    prefill_replicas: int = 1
+    """Number of prefill (kv_producer) replicas."""
+    prefill_nodes_per_replica: int = 1
+    """Nodes per prefill replica."""
+    decode_replicas: int = 1
+    """Number of decode (kv_consumer) replicas."""
+    decode_nodes_per_replica: int = 1
+    """Nodes per decode replica."""
+    kv_connector: Literal["nixl", "mooncake"] = "nixl"
+    """KV transfer connector between prefill and decode workers (GPU only)."""
+
+
+class KVOffloadConfig(StrictModel):
+    """Tiered KV-cache offload below GPU memory."""
+
+    tier: Literal["none", "cpu", "mooncake"] = "none"
+    """'cpu' uses vLLM's native CPU offload, 'mooncake' the Mooncake store (GPU only)."""
+    cpu_gib: float = 0.0
+    """Host memory per GPU given to the offloaded KV cache."""
+
+
+class InferenceConfig(StrictModel):
+    """vLLM servers that generate rollouts."""
+
+    tp: Degree = "auto"
+    """Tensor-parallel degree per replica, or 'auto'."""
+    dp: Degree = "auto"
+    """Data-parallel ranks per replica (one API server each), or 'auto'."""
+    ep: bool = False
+    """Expert parallelism for MoE layers across the replica's TP×DP GPUs."""
+    all2all_backend: Literal["auto", "deepep_low_latency", "deepep_high_throughput", "naive"] = "auto"
+    """All-to-all backend for expert parallelism (DeepEP kernels need the `deep_ep` extra)."""
+    fp8: bool = False
+    """Serve with FP8 weights (quantization='fp8')."""
+    max_model_len: int = 4096
+    """Maximum tokens per sequence (prompt + completion); also the trainer's sequence length."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory vLLM may use (weights + KV cache + activations)."""
+    kv_cache_gib_cpu: float = 1.0
+    """On CPU: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs / torch.compile (faster start-up, slower decode)."""
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
+    """Prefill/decode disaggregation."""
+    kv_offload: KVOffloadConfig = KVOffloadConfig()
+    """KV-cache offload tier."""
+
+    @field_validator("tp", "dp")
+    @classmethod
+    def _degree(cls, v, info):
+        return positive_degree(v, info.field_name)
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _len(cls, v: int) -> int:
+        if v < 16:
+            raise ValueError("max_model_len must be >= 16")
+        return v
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _util(cls, v: float) -> float:
+        if not 0.05 <= v <= 0.99:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+        return v
+
+
+class RouterConfig(StrictModel):
+    """vllm-router in front of all inference servers."""
+
+    policy: Literal[
+        "cache_aware", "round_robin", "random", "power_of_two", "consistent_hash", "kv_aware", "sticky_least_loaded"
+    ] = "cache_aware"
+    """Routing policy (cache_aware keeps a group's shared prompt on one server)."""

@@ -1,0 +1,109 @@
+"""Cluster profiles (YAML): what the cluster has, and the Slurm defaults to submit with."""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import field_validator
+
+from rlctl.recipes.base import StrictModel
+from rlctl.recipes.errors import RecipeError
+
+
+class Partitions(StrictModel):
+    """Slurm partitions of the cluster."""
+
+    gpu: str | None = None
+    """Partition of GPU nodes (trainer and inference); None on the local profile."""
+    cpu: str | None = None
+    """Partition of CPU-only nodes for router + orchestrator; None if the cluster has none."""
+
+
+class ClusterProfile(StrictModel):
+    """A cluster: node count and shape, interconnect, filesystem, Slurm defaults."""
+
+    name: str
+    """Profile name."""
+    scheduler: Literal["slurm", "local"] = "slurm"
+    """`slurm` submits heterogeneous jobs; `local` runs every component as a local process."""
+    nodes: int
+    """GPU nodes available to one job."""
+    gpus_per_node: int
+    """GPUs per node (0 for CPU-only machines)."""
+    gpu: str = "cpu"
+    """GPU kind, a key of the GPU catalog (`h100-sxm`, `h200`, `b200`, `a100-80gb`, `cpu`)."""
+    cpus_per_node: int = 64
+    """CPU cores per node."""
+    mem_gib_per_node: int = 512
+    """CPU memory per node in GiB."""
+    cpu_nodes: int = 0
+    """CPU-only nodes in the `cpu` partition (for router + orchestrator)."""
+    interconnect_gbps: float = 400.0
+    """Inter-node bandwidth per GPU in Gbit/s (e.g. 400 for NDR InfiniBand)."""
+    intra_node_gbps: float = 7200.0
+    """Intra-node GPU-to-GPU bandwidth in Gbit/s (NVLink 900 GB/s = 7200)."""
+    shared_fs: str | None = None
+    """Path of the shared filesystem where run directories go (None: ./runs)."""
+    partitions: Partitions = Partitions()
+    """Slurm partitions."""
+    account: str | None = None
+    """Default Slurm account."""
+    qos: str | None = None
+    """Default Slurm QoS."""
+    constraint: str | None = None
+    """Default Slurm node constraint."""
+    gres_gpu: bool = True
+    """Request GPUs with `--gpus-per-node` (set false on clusters without GPU gres)."""
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("nodes must be >= 1")
+        return v
+
+    @field_validator("gpus_per_node", "cpu_nodes")
+    @classmethod
+    def _non_negative(cls, v: int, info) -> int:
+        if v < 0:
+            raise ValueError(f"{info.field_name} must be >= 0")
+        return v
+
+
+def builtin_profile_names() -> list[str]:
+    root = resources.files("rlctl.launchers").joinpath("profiles")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(ref: str) -> ClusterProfile:
+    """A built-in profile name or a path to a YAML file → ClusterProfile (RecipeError on bad input)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from rlctl.recipes.errors import format_validation_error
+
+    path = Path(ref).expanduser()
+    if not path.is_file():
+        if "/" in ref or ref.endswith((".yaml", ".yml")):
+            raise RecipeError(f"cluster profile file not found: {ref}", key="cluster.profile")
+        path = Path(str(resources.files("rlctl.launchers").joinpath("profiles", f"{ref}.yaml")))
+        if not path.is_file():
+            raise RecipeError(
+                f"unknown cluster profile {ref!r} (built-in: {', '.join(builtin_profile_names())}, or a YAML path)",
+                key="cluster.profile",
+            )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"malformed YAML in {path}: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"cluster profile is not UTF-8 text: {path}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"cluster profile {path} must be a YAML mapping")
+    data.setdefault("name", path.stem)
+    try:
+        return ClusterProfile.model_validate(data)
+    except ValidationError as e:
+        e._rlctl_model = ClusterProfile
+        raise RecipeError(f"{path.name}: " + format_validation_error(e)) from None

@@ -1,0 +1,1 @@
+"""rlctl.orchestrator."""

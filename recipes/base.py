@@ -1,0 +1,26 @@
+"""Shared pieces of the recipe schema: the strict base model and the `auto` degree type."""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+AUTO = "auto"
+# A parallel degree or node count the planner may choose: a positive int or the literal "auto".
+Degree = Union[Literal["auto"], int]
+
+
+class StrictModel(BaseModel):
+    """Base of every recipe section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+def positive_degree(value: Degree, name: str) -> Degree:
+    """Validate an int-or-auto degree; used by field validators of the sections."""
+    if value != AUTO and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer or 'auto'")
+    return value
+
+
+__all__ = ["AUTO", "Degree", "StrictModel", "Field", "positive_degree"]

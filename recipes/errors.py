@@ -1,0 +1,57 @@
+"""The one error type users see for bad input: a single line, exit code 2."""
+from __future__ import annotations
+
+
+class RecipeError(Exception):
+    """Bad user input (recipe, override, profile, path). `str()` is the one-line message shown."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, key: str | None = None):
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+def format_validation_error(err, prefix: str = "") -> str:
+    """Turn a pydantic ValidationError into one line: `key.path: what is wrong (got VALUE)`."""
+    first = err.errors()[0]
+    loc = _dotted(first.get("loc", ()))
+    key = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "recipe"
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown key"
+        parent = _dotted(first.get("loc", ())[:-1])
+        allowed = _allowed_keys(err, first.get("loc", ())[:-1])
+        if allowed:
+            msg += f" (allowed in {parent or 'the top level'}: {', '.join(allowed)})"
+        return f"{key}: {msg}"
+    value = first.get("input")
+    shown = repr(value) if not isinstance(value, dict) else "a table"
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"{key}: {msg} (got {shown})"
+
+
+def _allowed_keys(err, loc) -> list[str]:
+    model = getattr(err, "_rlctl_model", None)
+    if model is None:
+        return []
+    for part in loc:
+        field = model.model_fields.get(str(part)) if hasattr(model, "model_fields") else None
+        if field is None:
+            return []
+        ann = field.annotation
+        model = ann if hasattr(ann, "model_fields") else None
+        if model is None:
+            return []
+    return sorted(model.model_fields) if model is not None else []
+
+
+def _dotted(loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out

@@ -1,0 +1,58 @@
+"""The recipe: one top-level model that composes the section each component owns."""
+from __future__ import annotations
+
+from pydantic import field_validator
+
+from rlctl.inference.config import InferenceConfig, RouterConfig
+from rlctl.launchers.config import CheckpointConfig, ClusterConfig, DeploymentConfig, MonitoringConfig
+from rlctl.orchestrator.config import OrchestratorConfig
+from rlctl.recipes.base import StrictModel
+from rlctl.trainer.config import TrainerConfig
+
+
+class ModelConfig(StrictModel):
+    """The policy model."""
+
+    name: str
+    """Built-in catalog name (`qwen3-4b`, `glm-5`, `tiny-qwen3`, ...) or a local HF directory / config.json path."""
+    build_seed: int = 0
+    """For built-in tiny models that are built offline: the seed of their random initialisation."""
+
+    @field_validator("name")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model.name must not be empty")
+        return v
+
+
+class Recipe(StrictModel):
+    """A complete RL run description. Every section is optional except `model`."""
+
+    name: str = "run"
+    """Run name (the run directory is `<output_dir>/<name>-<timestamp>`)."""
+    model: ModelConfig
+    """The policy model."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Target cluster profile."""
+    deployment: DeploymentConfig = DeploymentConfig()
+    """Node split and Slurm submission settings."""
+    trainer: TrainerConfig = TrainerConfig()
+    """FSDP2 trainer."""
+    inference: InferenceConfig = InferenceConfig()
+    """vLLM inference servers."""
+    router: RouterConfig = RouterConfig()
+    """Router in front of inference."""
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """Rollout loop."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpointing."""
+    monitoring: MonitoringConfig = MonitoringConfig()
+    """Logging and metrics."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v or "/" in v or v.startswith("."):
+            raise ValueError("name must be non-empty, without '/' and not start with '.'")
+        return v

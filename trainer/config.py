@@ -1,0 +1,78 @@
+"""The `[trainer]` section of a recipe: optimizer, parallelism, memory savers, loss."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import field_validator
+
+from rlctl.recipes.base import Degree, StrictModel, positive_degree
+
+
+class OptimizerConfig(StrictModel):
+    """AdamW settings."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the learning rate (constant afterwards)."""
+
+    @field_validator("lr")
+    @classmethod
+    def _lr_positive(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError("lr must be > 0")
+        return v
+
+
+class LossConfig(StrictModel):
+    """The policy-gradient loss; `path` may name any callable with the default's signature."""
+
+    path: str = "rlctl.trainer.loss:importance_ratio_loss"
+    """Dotted path `module:function` of the loss function."""
+    mask_low: float = 0.125
+    """Tokens whose trainer/inference probability ratio is below this are masked out."""
+    mask_high: float = 8.0
+    """Tokens whose trainer/inference probability ratio is above this are masked out."""
+
+
+class TrainerConfig(StrictModel):
+    """FSDP2 trainer: how the model is sharded and how each step is computed."""
+
+    fsdp: Degree = "auto"
+    """FSDP shard degree (dp_shard) per model replica, or 'auto' (all remaining trainer GPUs)."""
+    ep: Degree = 1
+    """Expert-parallel degree for MoE models (must divide the expert count); 'auto' lets the planner pick."""
+    cp: Degree = 1
+    """Context-parallel degree (splits the sequence; must divide max_model_len); 'auto' lets the planner pick."""
+    tp: Degree = 1
+    """Tensor-parallel degree inside a node (rarely needed with FSDP2)."""
+    activation_checkpointing: bool = True
+    """Recompute activations in backward (full per-layer recompute): less memory, ~33% more compute."""
+    fp8: bool = False
+    """FP8 block-scaled matmuls (needs deep_gemm on Hopper/Blackwell GPUs)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch per GPU."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of parameters (master weights and optimizer state stay fp32)."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """Optimizer settings."""
+    loss: LossConfig = LossConfig()
+    """Loss settings."""
+
+    @field_validator("fsdp", "ep", "cp", "tp")
+    @classmethod
+    def _degree(cls, v, info):
+        return positive_degree(v, info.field_name)
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _mbs(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("micro_batch_size must be >= 1")
+        return v
