@@ -1,0 +1,148 @@
+"""A tiny Qwen3 with a character-level tokenizer, built offline and deterministically from a seed.
+
+The CPU recipes use it so that the whole stack (vLLM, router, FSDP2 trainer) runs on a laptop with no
+model hub. `TINY_QWEN3` is the config.json of the model as a pure dict (the model catalog reads it
+without importing torch); `build_tiny_model` writes a Hugging Face directory that both transformers and
+vLLM load: config.json, model.safetensors, tokenizer files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# Token ids 0..3 are the specials; rollouts are right-padded with 0, so 0 must be the pad token.
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?-+=*/()[]<>'\"#_|\n"
+"""Every character the tokenizer knows; anything else maps to <unk>."""
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARSET)
+
+TINY_QWEN3: dict = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 2,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    "torch_dtype": "float32",
+}
+
+BUILD_MARKER = "BUILT.json"  # written last: its presence means the directory is whole
+
+
+def vocab() -> dict[str, int]:
+    """Token string -> id: specials first, then one id per character of CHARSET."""
+    tokens = list(SPECIAL_TOKENS) + list(CHARSET)
+    assert len(set(tokens)) == len(tokens), "duplicate character in CHARSET"
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def _build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token="<unk>"))
+    # Isolate every character (including whitespace) as its own pre-token; Fuse joins them back.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=TINY_QWEN3["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _write_weights(out: Path, seed: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in TINY_QWEN3.items() if k not in ("architectures",)})
+    # Seeded CPU init on a fresh generator state: the same seed gives bit-identical weights.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _is_built(out: Path, seed: int) -> bool:
+    marker = out / BUILD_MARKER
+    if not marker.exists():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("seed") == seed and info.get("config") == TINY_QWEN3 and info.get("charset") == CHARSET
+
+
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the tiny model into `out_dir` (idempotent; rebuilt if the seed or the config changed).
+
+    The directory is staged beside `out_dir` and renamed into place, then the build marker is written
+    last, so a concurrent reader never loads a half-written model.
+    """
+    out = Path(out_dir)
+    if _is_built(out, seed):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        (stage / "config.json").write_text(json.dumps(TINY_QWEN3, indent=2) + "\n")
+        _write_weights(stage, seed)
+        _build_tokenizer().save_pretrained(str(stage))
+        gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+        (stage / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        for f in stage.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if out.exists():
+            if _is_built(out, seed):  # another process finished the same build first
+                return out
+            shutil.rmtree(out)
+        os.replace(stage, out)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+    info = {"seed": seed, "config": TINY_QWEN3, "charset": CHARSET}
+    tmp = out / f".{BUILD_MARKER}.tmp"
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, out / BUILD_MARKER)
+    return out
+
+
+def parameter_count() -> int:
+    """Number of parameters of the tiny model (tied lm_head counted once), computed from the config."""
+    c = TINY_QWEN3
+    h, i, v, d = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    attn = h * q + 2 * h * kv + q * h + 2 * d  # q, k, v, o projections + q_norm/k_norm
+    layer = attn + 3 * h * i + 2 * h  # MLP gate/up/down + two RMSNorms
+    return v * h + c["num_hidden_layers"] * layer + h
