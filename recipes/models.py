@@ -1,0 +1,231 @@
+"""Model architecture facts (as in a HF config.json) and parameter counts computed from them."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlctl.recipes.errors import RecipeError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture numbers the planner needs; names follow HF config.json."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    intermediate_size: int
+    head_dim: int = 0
+    """Per-head dim of GQA/MHA attention; 0 means hidden_size // num_attention_heads."""
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # Mixture of experts (0 experts = dense model).
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    dense_layers: int = 0
+    """Leading layers with a dense MLP (DeepSeek's `first_k_dense_replace`); the rest are MoE."""
+    # Multi-head latent attention (DeepSeek-V3 family); kv_lora_rank > 0 switches MLA on.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek sparse attention (DSA) indexer: each query attends to index_topk selected tokens.
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    max_position_embeddings: int = 0
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived facts -------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def attn_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qk_dim(self) -> int:
+        """Per-head query/key width (MLA: nope + rope parts)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.attn_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.attn_head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_hidden_layers - self.dense_layers if self.is_moe else 0
+
+    def attention_params(self) -> int:
+        h, a = self.hidden_size, self.num_attention_heads
+        if self.is_mla:
+            q_in = self.q_lora_rank or h
+            q = (h * self.q_lora_rank + self.q_lora_rank if self.q_lora_rank else 0) + q_in * a * self.qk_dim
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            kv += self.kv_lora_rank * a * (self.qk_nope_head_dim + self.v_head_dim)
+            out = a * self.v_head_dim * h
+            indexer = 0
+            if self.index_n_heads:
+                d = self.index_head_dim
+                indexer = q_in * self.index_n_heads * d + h * d + 2 * d + h * self.index_n_heads
+            return q + kv + out + indexer
+        d, kv_heads = self.attn_head_dim, self.num_key_value_heads
+        qkv = h * d * (a + 2 * kv_heads) + (d * (a + 2 * kv_heads) if self.attention_bias else 0)
+        qk_norm = 2 * d  # Qwen3 q/k RMSNorm; negligible elsewhere
+        return qkv + a * d * h + qk_norm
+
+    def expert_params(self) -> int:
+        """One routed expert (gated MLP)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def layer_params(self, moe: bool, active: bool) -> int:
+        norms = 2 * self.hidden_size
+        if not moe:
+            return self.attention_params() + self.dense_mlp_params() + norms
+        experts = self.num_experts_per_tok if active else self.n_routed_experts
+        router = self.hidden_size * self.n_routed_experts
+        mlp = (experts + self.n_shared_experts) * self.expert_params() + router
+        return self.attention_params() + mlp + norms
+
+    def embedding_params(self) -> int:
+        """Input embedding plus the LM head when it is not tied."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def _count(self, active: bool) -> int:
+        dense = self.num_hidden_layers - self.moe_layers
+        body = dense * self.layer_params(False, active) + self.moe_layers * self.layer_params(True, active)
+        return body + self.embedding_params() + self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        return self._count(active=False)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters touched per token (top-k + shared experts; every non-expert weight)."""
+        return self._count(active=True)
+
+    @property
+    def expert_params_total(self) -> int:
+        return self.moe_layers * self.n_routed_experts * self.expert_params()
+
+    @property
+    def matmul_params_active(self) -> int:
+        """Weights in matmuls per token: active params minus the input embedding lookup (the LM head stays)."""
+        return self.active_params - self.vocab_size * self.hidden_size * (0 if self.tie_word_embeddings else 1)
+
+    def kv_bytes_per_token(self, bytes_per_elem: float = 2.0) -> float:
+        """KV-cache bytes one token occupies across all layers (MLA: latent + rope key; DSA adds indexer keys)."""
+        if self.is_mla:
+            per_layer = (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_elem
+            if self.index_n_heads:
+                per_layer += self.index_head_dim + 4  # fp8 indexer key + fp32 scale (vLLM's layout)
+            return self.num_hidden_layers * per_layer
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.attn_head_dim * bytes_per_elem
+
+
+_ALIASES = {
+    "first_k_dense_replace": "dense_layers",
+    "num_local_experts": "n_routed_experts",
+    "num_experts": "n_routed_experts",
+    "shared_expert_intermediate_size": None,
+}
+
+
+def spec_from_hf_config(cfg: dict, name: str) -> ModelSpec:
+    """Build a ModelSpec from a HF config.json dict (Llama, Qwen2/3, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-5)."""
+    if not isinstance(cfg, dict):
+        raise RecipeError(f"model config {name} must be a JSON object", key="model.name")
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise RecipeError(f"config.json of {name} lacks {', '.join(missing)}", key="model.name")
+    kw: dict = {}
+    for f in ModelSpec.__dataclass_fields__:
+        if f in ("name", "extra") or f not in cfg:
+            continue
+        kw[f] = cfg[f]
+    for src, dst in _ALIASES.items():
+        if dst and src in cfg and cfg[src] is not None and dst not in kw:
+            kw[dst] = cfg[src]
+    kw = {k: v for k, v in kw.items() if v is not None}
+    kw.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    kw.setdefault("intermediate_size", cfg.get("intermediate_size") or 4 * cfg["hidden_size"])
+    if kw.get("n_routed_experts") and not kw.get("moe_intermediate_size"):
+        kw["moe_intermediate_size"] = cfg.get("intermediate_size", 0)
+    if "mlp_only_layers" in cfg and cfg.get("mlp_only_layers"):
+        kw["dense_layers"] = len(cfg["mlp_only_layers"])
+    if isinstance(cfg.get("mlp_layer_types"), list):
+        kw["dense_layers"] = sum(1 for t in cfg["mlp_layer_types"] if t == "dense")
+    if cfg.get("shared_expert_intermediate_size") and kw.get("moe_intermediate_size"):
+        kw["n_shared_experts"] = max(1, cfg["shared_expert_intermediate_size"] // kw["moe_intermediate_size"])
+    try:
+        spec = ModelSpec(name=name, **kw)
+        _validate(spec)
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"config.json of {name} is not a supported decoder architecture ({e})", key="model.name") from None
+    return spec
+
+
+def _validate(spec: ModelSpec) -> None:
+    for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        v = getattr(spec, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{f} must be a positive integer, got {v!r}")
+    for f in ModelSpec.__dataclass_fields__:
+        v = getattr(spec, f)
+        if f not in ("name", "extra", "tie_word_embeddings", "attention_bias") and not isinstance(v, int):
+            raise ValueError(f"{f} must be an integer, got {v!r}")
+    if spec.is_moe and not (0 < spec.num_experts_per_tok <= spec.n_routed_experts):
+        raise ValueError("num_experts_per_tok must be in 1..n_routed_experts")
+    if spec.num_attention_heads % spec.num_key_value_heads:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+def get_model_spec(name_or_path: str) -> ModelSpec:
+    """A catalog name (see `catalog_names()`), a local HF directory, or a config.json path → ModelSpec."""
+    from rlctl.recipes.model_catalog import CATALOG
+
+    key = name_or_path.strip().lower()
+    if key in CATALOG:
+        return spec_from_hf_config(CATALOG[key], key)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise RecipeError(
+            f"unknown model {name_or_path!r}: not a catalog name ({', '.join(sorted(CATALOG))}) "
+            "nor a local HF directory / config.json",
+            key="model.name",
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RecipeError(f"malformed config.json at {path}: {e}", key="model.name") from None
+    except OSError as e:
+        raise RecipeError(f"cannot read {path}: {e.strerror}", key="model.name") from None
+    return spec_from_hf_config(cfg, str(name_or_path))
+
+
+def catalog_names() -> list[str]:
+    from rlctl.recipes.model_catalog import CATALOG
+
+    return sorted(CATALOG)
