@@ -1,0 +1,211 @@
+"""`rlctl monitor RUN` (live view, `--once --json` for scripts, `--wait` for CI, `--plot` for curves)
+and `rlctl runs` (the runs under an output root with their state)."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlctl.cli.common import fail, print_json, user_errors
+
+EXIT_OK, EXIT_RUN_FAILED, EXIT_TIMEOUT = 0, 1, 3
+
+
+def _exit_code(state: str) -> int:
+    return EXIT_OK if state == "completed" else EXIT_RUN_FAILED
+
+
+def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> Path:
+    from rlctl.launchers.status import RunNotFound, default_root, resolve_run
+
+    try:
+        return resolve_run(run, root if root is not None else default_root(profile))
+    except RunNotFound as e:
+        fail(str(e))
+
+
+def _snapshot(run_dir: Path):
+    from rlctl.launchers.run_summary import log_errors, read_metrics, summarize
+    from rlctl.launchers.status import run_state
+
+    status = run_state(run_dir)
+    metrics = read_metrics(Path(run_dir) / "metrics.jsonl")
+    return summarize(status, metrics, log_errors(run_dir, status.attempt)), metrics
+
+
+def write_plot(run_dir: Path, out: Path) -> None:
+    """A PNG with reward, trainer/orchestrator step times and off-policy lag over steps."""
+    try:
+        import matplotlib
+    except ImportError:
+        fail("--plot needs matplotlib (pip install 'rlctl[report]')")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rlctl.launchers.run_summary import by_step, read_metrics, series
+
+    metrics = read_metrics(Path(run_dir) / "metrics.jsonl")
+    trainer, orch = by_step(metrics, "trainer"), by_step(metrics, "orchestrator")
+    if not trainer and not orch:
+        fail(f"--plot: no metrics yet in {Path(run_dir) / 'metrics.jsonl'}")
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    panels = (
+        ("reward", [(orch, "reward_mean", "reward mean")]),
+        ("step time (s)", [(trainer, "trainer_step_time_s", "trainer"), (orch, "orchestrator_step_time_s", "orchestrator")]),
+        ("off-policy lag (steps)", [(orch, "off_policy_lag_mean", "mean"), (orch, "off_policy_lag_max", "max")]),
+    )
+    for ax, (ylabel, lines) in zip(axes, panels):
+        for records, key, label in lines:
+            points = series(records, key)
+            if points:
+                ax.plot([s for s, _ in points], [v for _, v in points], label=label, marker="." if len(points) < 50 else None)
+        ax.set_ylabel(ylabel)
+        if ylabel.startswith("off-policy"):
+            ax.set_ylim(bottom=0)  # lag is a count of steps; a zero baseline keeps it honest
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best")
+    axes[-1].set_xlabel("step")
+    fig.suptitle(f"rlctl run {Path(run_dir).name}")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)  # the format follows the suffix, which stays .png for the temp file
+    plt.close(fig)
+    tmp.replace(out)
+
+
+def _wait(run_dir: Path, interval: float, timeout: Optional[float], quiet: bool) -> dict:
+    from rlctl.cli.monitor_view import progress_line
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    tty = sys.stderr.isatty()
+    last_line = None
+    while True:
+        summary, _ = _snapshot(run_dir)
+        line = progress_line(summary)
+        if not quiet and line != last_line:
+            # On a terminal rewrite one line; in CI logs print a line only when something changed.
+            sys.stderr.write(("\r\033[K" + line) if tty else line + "\n")
+            sys.stderr.flush()
+            last_line = line
+        if summary["state"] in ("completed", "failed", "cancelled", "lost"):
+            if tty and not quiet:
+                sys.stderr.write("\n")
+            return summary
+        if deadline is not None and time.monotonic() >= deadline:
+            if tty and not quiet:
+                sys.stderr.write("\n")
+            summary["timed_out"] = True
+            return summary
+        time.sleep(interval)
+
+
+def _live(run_dir: Path, interval: float) -> dict:
+    from rich.live import Live
+
+    from rlctl.cli.monitor_view import render_summary
+
+    summary, metrics = _snapshot(run_dir)
+    with Live(render_summary(summary, metrics), refresh_per_second=4, screen=False) as live:
+        while summary["state"] not in ("completed", "failed", "cancelled", "lost"):
+            time.sleep(interval)
+            summary, metrics = _snapshot(run_dir)
+            live.update(render_summary(summary, metrics))
+    return summary
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @user_errors
+    def monitor(
+        run: str = typer.Argument(..., help="Run directory, or a run name under the output root."),
+        once: bool = typer.Option(False, "--once", help="Print the status once and exit."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON status object (implies --once unless --wait)."),
+        wait: bool = typer.Option(False, "--wait", help="Block until the run ends: exit 0 if completed, 1 if failed/cancelled/lost."),
+        interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes."),
+        timeout: Optional[float] = typer.Option(None, "--timeout", help="With --wait: give up after S seconds (exit 3)."),
+        plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of reward, step times and lag over steps."),
+        root: Optional[Path] = typer.Option(None, "--root", help="Output root to look up run names in (default ./runs)."),
+        profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
+    ) -> None:
+        """Show the state, progress and health of a run (live TUI by default)."""
+        if not interval > 0:
+            fail(f"--interval must be > 0 seconds, got {interval}")
+        if timeout is not None and not timeout > 0:
+            fail(f"--timeout must be > 0 seconds, got {timeout}")
+        if plot is not None and plot.suffix.lower() != ".png":
+            fail(f"--plot writes a PNG; the file name must end in .png, got {plot}")
+        run_dir = _resolve(run, root, profile)
+        if wait:
+            summary = _wait(run_dir, interval, timeout, quiet=as_json)
+        elif once or as_json or plot is not None:
+            summary, metrics = _snapshot(run_dir)
+            if not as_json and (once or plot is None):
+                from rich.console import Console
+
+                from rlctl.cli.monitor_view import render_summary
+
+                Console().print(render_summary(summary, metrics))
+        else:
+            summary = _live(run_dir, interval)
+        if plot is not None:
+            write_plot(run_dir, plot)
+            if not as_json:
+                typer.echo(f"wrote {plot}", err=True)
+        if as_json:
+            print_json(summary)
+        if wait:
+            raise typer.Exit(EXIT_TIMEOUT if summary.get("timed_out") else _exit_code(summary["state"]))
+        if not (once or as_json or plot is not None):
+            raise typer.Exit(_exit_code(summary["state"]))
+
+    @app.command()
+    @user_errors
+    def runs(
+        root: Optional[Path] = typer.Option(None, "--root", help="Output root (default ./runs)."),
+        profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
+        as_json: bool = typer.Option(False, "--json", help="Print a JSON list."),
+    ) -> None:
+        """List the runs under an output root with their state and progress."""
+        from rlctl.launchers.run_summary import by_step, read_metrics, series
+        from rlctl.launchers.status import default_root, list_runs, run_state
+
+        base = root if root is not None else default_root(profile)
+        if root is not None and not root.is_dir():
+            fail(f"--root {root}: not a directory")
+        rows = []
+        for run_dir in list_runs(base):
+            status = run_state(run_dir)
+            metrics = read_metrics(run_dir / "metrics.jsonl")
+            trainer, orch = by_step(metrics, "trainer"), by_step(metrics, "orchestrator")
+            rewards = series(orch, "reward_mean")
+            rows.append({
+                "name": status.name, "run_dir": str(run_dir), "state": status.state, "scheduler": status.scheduler,
+                "job_id": status.job_id, "attempt": status.attempt, "steps_done": len(trainer or orch),
+                "max_steps": status.max_steps, "reward_mean": rewards[-1][1] if rewards else None,
+                "reason": status.reason,
+            })
+        if as_json:
+            print_json(rows)
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        from rlctl.cli.monitor_view import STATE_STYLE
+
+        table = Table(title=f"runs under {base}", title_justify="left")
+        for col in ("run", "state", "scheduler", "job", "attempt", "steps", "reward"):
+            table.add_column(col)
+        for r in rows:
+            reward = "-" if r["reward_mean"] is None else f"{r['reward_mean']:.3g}"
+            table.add_row(Path(r["run_dir"]).name, f"[{STATE_STYLE.get(r['state'], '')}]{r['state']}[/]", r["scheduler"],
+                          r["job_id"] or "-", str(r["attempt"]), f"{r['steps_done']}/{r['max_steps'] or '?'}", reward)
+        if not rows:
+            typer.echo(f"no runs under {base}")
+            return
+        Console().print(table)

@@ -1,0 +1,385 @@
+"""The state of a run: run.json + Slurm accounting (sacct/squeue) or the local launcher's status files.
+
+`run_state(run_dir)` never raises for a run that exists: when the scheduler cannot be asked, the state
+is `unknown` and `reason` says why. Every Slurm call is bounded by a timeout.
+
+Overall states: pending | running | completed | failed | cancelled | lost | unknown.
+`completed` means the orchestrator finished cleanly: the job (or local supervisor) exited 0 and
+`<run>/DONE` exists. `lost` means the record says running but the process is gone (local launcher).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ENDED = ("completed", "failed", "cancelled", "lost")
+SLURM_TIMEOUT_S = 10.0
+
+# Slurm job states → our component states.
+_SLURM_STATES = {
+    "PENDING": "pending", "REQUEUED": "pending", "REQUEUE_FED": "pending", "REQUEUE_HOLD": "pending",
+    "RESV_DEL_HOLD": "pending", "PREEMPTED": "pending",
+    "RUNNING": "running", "CONFIGURING": "running", "COMPLETING": "running", "SUSPENDED": "running",
+    "RESIZING": "running", "SIGNALING": "running", "STAGE_OUT": "running", "STOPPED": "running",
+    "COMPLETED": "completed",
+    "CANCELLED": "cancelled", "REVOKED": "cancelled",
+    "FAILED": "failed", "TIMEOUT": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
+    "BOOT_FAIL": "failed", "DEADLINE": "failed", "SPECIAL_EXIT": "failed",
+}
+# A supervisor ended by these signals (or exit codes 128+sig) was cancelled, not failed.
+_CANCEL_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+
+
+@dataclass
+class ComponentStatus:
+    """One job component (Slurm het component) or one local process."""
+
+    name: str
+    """`trainer`, `inference`, `orchestrator` (Slurm) or `group.component.rank` (local)."""
+    group: str
+    state: str
+    nodes: str = ""
+    """Slurm node list, or the host of a local process."""
+    restarts: int = 0
+    exit_code: str | None = None
+    pid: int | None = None
+    started: str | None = None
+    ended: str | None = None
+
+
+@dataclass
+class RunStatus:
+    state: str
+    run_dir: str
+    name: str
+    scheduler: str
+    job_id: str | None = None
+    attempt: int = 1
+    max_steps: int | None = None
+    reason: str = ""
+    components: list[ComponentStatus] = field(default_factory=list)
+    plan: dict = field(default_factory=dict)
+    done: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------- run refs
+
+
+class RunNotFound(ValueError):
+    """A run reference that names no run directory (bad user input)."""
+
+
+def default_root(profile: str | None = None) -> Path:
+    """Root of run directories: the profile's shared filesystem if it sets one, else ./runs."""
+    if profile:
+        from rlctl.launchers.cluster import load_profile
+
+        shared = load_profile(profile).shared_fs
+        if shared:
+            return Path(shared).expanduser()
+    return Path("runs")
+
+
+def resolve_run(ref: str, root: Path | str | None = None) -> Path:
+    """A run dir path, a run dir name under `root`, or a recipe name (newest `<name>-*` run) → Path."""
+    path = Path(ref).expanduser()
+    if (path / "run.json").is_file():
+        return path
+    base = Path(root) if root is not None else default_root()
+    candidate = base / ref
+    if (candidate / "run.json").is_file():
+        return candidate
+    if base.is_dir() and "/" not in ref:
+        named = [d for d in base.glob(f"{ref}-*") if (d / "run.json").is_file()]
+        if named:
+            return max(named, key=lambda d: (d / "run.json").stat().st_mtime)
+    raise RunNotFound(f"run {ref!r}: no run.json at {path} or under {base} (pass a run dir or a run name; see `rlctl runs`)")
+
+
+def list_runs(root: Path | str) -> list[Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((d for d in root.iterdir() if (d / "run.json").is_file()), key=lambda d: d.name)
+
+
+# ------------------------------------------------------------------------------------------- state
+
+
+def run_state(run_dir: Path | str) -> RunStatus:
+    run_dir = Path(run_dir)
+    try:
+        manifest = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError) as e:
+        return RunStatus("unknown", str(run_dir), run_dir.name, "unknown", reason=f"cannot read run.json: {e}")
+    recipe = manifest.get("recipe") or {}
+    status = RunStatus(
+        state="unknown",
+        run_dir=str(run_dir),
+        name=manifest.get("name") or run_dir.name,
+        scheduler=manifest.get("scheduler", "local"),
+        job_id=manifest.get("job_id"),
+        attempt=int(manifest.get("attempt") or 1),
+        max_steps=(recipe.get("orchestrator") or {}).get("max_steps"),
+        plan=manifest.get("plan") or {},
+        done=(run_dir / "DONE").exists(),
+    )
+    if status.scheduler == "slurm":
+        _slurm_state(status, manifest.get("groups") or [])
+    else:
+        _local_state(status, run_dir / "status")
+        order = {g.get("name"): i for i, g in enumerate(manifest.get("groups") or [])}
+        status.components.sort(key=lambda c: (order.get(c.group, len(order)), c.name))
+    return status
+
+
+# ------------------------------------------------------------------------------------------- local
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # being replaced right now, or vanished: the next poll sees it
+    return data if isinstance(data, dict) else None
+
+
+def _epoch(value) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        from datetime import datetime
+
+        try:
+            return datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def _process_start_epoch(pid: int) -> float | None:
+    """Start time of `pid` from /proc (Linux), to tell a live process from a recycled pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] == "Z":
+            return None  # a zombie has exited
+        boot = next(float(l.split()[1]) for l in Path("/proc/stat").read_text().splitlines() if l.startswith("btime"))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def pid_alive(pid: int | None, started=None) -> bool:
+    """Whether `pid` runs and (when `started` is known) is the process that started then."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if Path("/proc").is_dir():
+        began = _process_start_epoch(pid)
+        if began is None:
+            return False
+        since = _epoch(started)
+        # The pid was recycled if its process began well after the record says it started.
+        return since is None or began <= since + 5.0
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _local_process_state(record: dict, here: str) -> str:
+    state = record.get("state", "unknown")
+    if state in ("starting", "running"):
+        host = record.get("host")
+        if host and host not in (here, "localhost", "127.0.0.1"):
+            return state  # cannot check a pid on another host; trust the record
+        return state if pid_alive(record.get("pid"), record.get("started")) else "lost"
+    if state == "exited":
+        rc = record.get("returncode")
+        if rc == 0:
+            return "completed"
+        return "cancelled" if rc in _CANCEL_CODES else "failed"
+    return state if state in ("cancelled", "failed", "completed") else "unknown"
+
+
+def _local_state(status: RunStatus, folder: Path) -> None:
+    here = socket.gethostname()
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if path.name == "supervisor.json":
+            continue
+        record = _read_json(path)
+        if record is None:
+            continue
+        parts = path.stem.split(".")
+        status.components.append(ComponentStatus(
+            name=path.stem, group=parts[0], state=_local_process_state(record, here),
+            nodes=record.get("host") or "", restarts=int(record.get("restarts") or 0),
+            exit_code=None if record.get("returncode") is None else str(record["returncode"]),
+            pid=record.get("pid"), started=_fmt_time(record.get("started")), ended=_fmt_time(record.get("ended")),
+        ))
+    supervisor = _read_json(folder / "supervisor.json")
+    if supervisor is None:
+        status.state, status.reason = ("pending", "launcher starting") if not status.components else ("unknown", "no supervisor status")
+        if not folder.is_dir():
+            status.state, status.reason = "unknown", f"no status files in {folder}"
+        return
+    sup_state = _local_process_state(supervisor, here)
+    if sup_state in ("starting", "running"):
+        states = [c.state for c in status.components]
+        status.state = "running" if any(s == "running" for s in states) else "pending"
+    elif sup_state == "completed":
+        status.state = "completed" if status.done else "failed"
+        if not status.done:
+            status.reason = "launcher exited 0 but the orchestrator wrote no DONE marker"
+    else:
+        status.state = sup_state
+        if sup_state == "lost":
+            status.reason = f"launcher process {supervisor.get('pid')} is gone but its status says {supervisor.get('state')}"
+        elif sup_state == "failed":
+            status.reason = f"launcher exited with code {supervisor.get('returncode')}"
+    _explain_failure(status)
+
+
+def _fmt_time(value) -> str | None:
+    when = _epoch(value)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)) if when is not None else (str(value) if value else None)
+
+
+def _explain_failure(status: RunStatus) -> None:
+    bad = [c for c in status.components if c.state in ("failed", "lost")]
+    if status.state in ("failed", "lost") and bad:
+        names = ", ".join(f"{c.name} ({c.state}{'' if c.exit_code is None else ', exit ' + c.exit_code})" for c in bad)
+        status.reason = (status.reason + "; " if status.reason else "") + f"failed components: {names}"
+
+
+# ------------------------------------------------------------------------------------------- slurm
+
+
+def _run(cmd: list[str]) -> tuple[str | None, str]:
+    """(stdout, "") on success, (None, why) when the command is missing, fails or times out."""
+    if shutil.which(cmd[0]) is None:
+        return None, f"{cmd[0]} not found"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"{cmd[0]} timed out after {SLURM_TIMEOUT_S:.0f}s"
+    except OSError as e:
+        return None, f"{cmd[0]}: {e}"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
+        return None, f"{cmd[0]}: {last}"
+    return proc.stdout, ""
+
+
+def _het_index(job_field: str, leader: str) -> int | None:
+    """`123+1` → 1, `123` → 0 (a plain job is its own component 0); steps and other jobs → None."""
+    if job_field == leader:
+        return 0
+    if job_field.startswith(leader + "+") and job_field[len(leader) + 1:].isdigit():
+        return int(job_field[len(leader) + 1:])
+    return None
+
+
+def sacct_components(job_id: str) -> tuple[dict[int, dict] | None, str]:
+    """Per het component: the newest allocation record and how many times it was requeued."""
+    out, why = _run(["sacct", "-j", job_id, "-X", "-D", "-P", "-n",
+                     "-o", "JobID,JobName,State,ExitCode,NodeList,Start,End"])
+    if out is None:
+        return None, why
+    comps: dict[int, dict] = {}
+    for line in out.splitlines():
+        parts = line.split("|")
+        if len(parts) < 7:
+            continue
+        index = _het_index(parts[0], job_id)
+        if index is None:
+            continue
+        record = dict(zip(("job", "name", "state", "exit_code", "nodes", "start", "end"), parts))
+        record["state"] = record["state"].split()[0]  # "CANCELLED by 0" → CANCELLED
+        previous = comps.get(index)
+        record["records"] = previous["records"] + 1 if previous else 1
+        comps[index] = record  # -D lists older (requeued) records first
+    return comps, ""
+
+
+def squeue_components(job_id: str) -> tuple[dict[int, dict] | None, str]:
+    out, why = _run(["squeue", "-j", job_id, "-h", "-o", "%i|%T|%N|%R"])
+    if out is None:
+        # squeue errors on ids it no longer knows: that just means "not queued".
+        return ({}, "") if "Invalid job id" in why else (None, why)
+    comps = {}
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 3:
+            index = _het_index(parts[0], job_id)
+            if index is not None:
+                comps[index] = {"state": parts[1], "nodes": parts[2], "reason": parts[3] if len(parts) > 3 else ""}
+    return comps, ""
+
+
+def _slurm_state(status: RunStatus, groups: list[dict]) -> None:
+    if not status.job_id:
+        status.state, status.reason = "pending", "not submitted yet (no job_id in run.json)"
+        return
+    job = str(status.job_id)
+    acct, acct_why = sacct_components(job)
+    queue, queue_why = squeue_components(job)
+    if acct is None and queue is None:
+        status.reason = f"cannot ask Slurm about job {job}: {acct_why}; {queue_why}"
+        return
+    acct, queue = acct or {}, queue or {}
+    by_index = {int(g.get("het_index", i)): g for i, g in enumerate(groups)}
+    for index in sorted(set(by_index) | set(acct) | set(queue)):
+        group = by_index.get(index, {}).get("name", f"component{index}")
+        a, q = acct.get(index, {}), queue.get(index, {})
+        raw = q.get("state") or a.get("state") or "UNKNOWN"  # squeue is fresher while queued/running
+        state = _SLURM_STATES.get(raw, "unknown")
+        nodes = q.get("nodes") or a.get("nodes") or ""
+        if nodes in ("None assigned", "(null)"):
+            nodes = ""
+        status.components.append(ComponentStatus(
+            name=f"{group} ({job}+{index})" if len(by_index) > 1 else group, group=group, state=state, nodes=nodes,
+            restarts=max(0, a.get("records", 1) - 1), exit_code=a.get("exit_code"),
+            started=_slurm_time(a.get("start")), ended=_slurm_time(a.get("end")),
+        ))
+    states = [c.state for c in status.components]
+    if not states:
+        status.reason = f"Slurm does not know job {job} ({acct_why or queue_why or 'no accounting record'})"
+    elif "running" in states:
+        status.state = "running"
+    elif "pending" in states:
+        status.state = "pending"
+        reasons = {q.get("reason") for q in queue.values() if q.get("reason")}
+        status.reason = ", ".join(sorted(reasons))
+    elif "unknown" in states:
+        status.reason = "Slurm reports a state rlctl does not know"
+    elif "cancelled" in states:
+        status.state = "cancelled"
+    elif "failed" in states:
+        status.state = "failed"
+        _explain_failure(status)
+    elif status.done:
+        status.state = "completed"
+    else:
+        status.state, status.reason = "failed", "job completed but the orchestrator wrote no DONE marker"
+
+
+def _slurm_time(value: str | None) -> str | None:
+    return value if value and value not in ("Unknown", "None") else None
