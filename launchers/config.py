@@ -30,6 +30,35 @@ class GroupResources(StrictModel):
     """CPUs per task."""
     mem_gib: int | None = None
     """Memory per node in GiB."""
+    gpus_per_node: int | None = None
+    """GPUs requested per node (default: what the placement uses; 0 requests none)."""
+    time_limit: str | None = None
+    """Time limit of this group (default: `deployment.time_limit`)."""
+
+
+GROUP_NAMES = ("orchestrator", "inference", "trainer")
+
+
+class SmokeConfig(StrictModel):
+    """Behaviour of the trivial `rlctl.launchers.smoke` entry points (launcher tests and fault drills)."""
+
+    run_s: float = 1.0
+    """Seconds the smoke orchestrator holds after seeing every service, before it writes DONE."""
+    fail_group: str | None = None
+    """Group whose rank `fail_rank` exits with `exit_code` after `fail_after_s` (None: nobody fails)."""
+    fail_rank: int = 0
+    """Rank (within `fail_group`) that fails."""
+    fail_after_s: float = 0.0
+    """Seconds before the failing rank exits."""
+    exit_code: int = 3
+    """Exit code of the failing rank."""
+
+    @field_validator("fail_group")
+    @classmethod
+    def _group(cls, v: str | None) -> str | None:
+        if v is not None and v not in GROUP_NAMES:
+            raise ValueError(f"fail_group must be one of {', '.join(GROUP_NAMES)}")
+        return v
 
 
 class DeploymentConfig(StrictModel):
@@ -57,6 +86,20 @@ class DeploymentConfig(StrictModel):
     """Slurm settings of the inference group."""
     orchestrator: GroupResources = GroupResources()
     """Slurm settings of the router + orchestrator group."""
+    entrypoints: dict[str, str] = {}
+    """Python module run per group instead of `rlctl.<group>` (e.g. {trainer="rlctl.launchers.smoke"})."""
+    smoke: SmokeConfig = SmokeConfig()
+    """Settings read by the smoke entry points (ignored by the real components)."""
+
+    @field_validator("entrypoints")
+    @classmethod
+    def _entrypoints(cls, v: dict[str, str]) -> dict[str, str]:
+        for group, module in v.items():
+            if group not in GROUP_NAMES:
+                raise ValueError(f"entrypoints: unknown group {group!r} (allowed: {', '.join(GROUP_NAMES)})")
+            if not module or not all(part.isidentifier() for part in module.split(".")):
+                raise ValueError(f"entrypoints.{group}: {module!r} is not a Python module name")
+        return v
 
     @field_validator("trainer_nodes", "inference_nodes")
     @classmethod

@@ -1,0 +1,130 @@
+"""The per-task environment of the launcher contract, and the task wrapper that runs one component.
+
+Every task gets `RLCTL_RUN_DIR`, `RLCTL_ATTEMPT`, `RLCTL_GROUP`, `RLCTL_RANK`, `RLCTL_WORLD_SIZE`;
+inference tasks also `RLCTL_SERVER_INDEX` and `RLCTL_BIND_HOST`; trainer tasks the torch.distributed
+variables `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, computed
+from the trainer group's *own* nodes (on Slurm: `SLURM_JOB_NODELIST_HET_GROUP_K`), so every rank
+agrees. The same function serves the local launcher (all nodes = this host).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+# Rendezvous ports are derived from the job id so that all ranks agree without talking.
+PORT_BASE, PORT_SPAN = 20000, 20000
+
+
+def master_port_for(job_id: str) -> int:
+    digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
+    return PORT_BASE + int(digits) % PORT_SPAN
+
+
+def component_env(*, run_dir: str, attempt: int, group: str, rank: int, local_rank: int,
+                  local_world_size: int, world_size: int, node_index: int, node_addrs: list[str],
+                  master_port: int) -> dict[str, str]:
+    """The contract's variables for task `rank` of `group` (node_addrs: the group's nodes, in order)."""
+    env = {
+        "RLCTL_RUN_DIR": str(run_dir),
+        "RLCTL_ATTEMPT": str(attempt),
+        "RLCTL_GROUP": group,
+        "RLCTL_RANK": str(rank),
+        "RLCTL_WORLD_SIZE": str(world_size),
+    }
+    host = node_addrs[node_index]
+    if group == "inference":
+        env["RLCTL_SERVER_INDEX"] = str(rank)
+        env["RLCTL_BIND_HOST"] = host
+    elif group == "trainer":
+        env.update(
+            MASTER_ADDR=node_addrs[0],
+            MASTER_PORT=str(master_port),
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(local_world_size),
+        )
+    return env
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """`node[1-3],gpu7` → ['node1', 'node2', 'node3', 'gpu7'] (Slurm hostlist syntax)."""
+    from submitit.slurm.slurm import _parse_node_list
+
+    return _parse_node_list(nodelist)
+
+
+@functools.lru_cache(maxsize=None)
+def node_address(name: str) -> str:
+    """The address other nodes reach `name` at: Slurm's NodeAddr (node names need not resolve)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    for field in out.split():
+        if field.startswith("NodeAddr="):
+            return field.split("=", 1)[1]
+    return name
+
+
+def slurm_task_env(group, run_dir: str, attempt: int, environ: dict | None = None) -> dict[str, str]:
+    """Contract env of the current srun task of `group` (a JobGroup), from Slurm's variables."""
+    environ = os.environ if environ is None else environ
+    k = group.het_index
+    nodelist = (environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{k}") if group.shares_component is False
+                else environ.get("SLURM_STEP_NODELIST"))
+    nodelist = nodelist or environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"]
+    names = expand_nodelist(nodelist)[: group.nodes]
+    this = environ.get("SLURMD_NODENAME", names[0])
+    node_index = names.index(this) if this in names else int(environ.get("SLURM_NODEID", 0))
+    return component_env(
+        run_dir=run_dir, attempt=attempt, group=group.name,
+        rank=int(environ.get("SLURM_PROCID", 0)), local_rank=int(environ.get("SLURM_LOCALID", 0)),
+        local_world_size=group.ntasks_per_node, world_size=group.ntasks, node_index=node_index,
+        node_addrs=[node_address(n) for n in names],
+        master_port=master_port_for(environ.get("SLURM_JOB_ID", "0")),
+    )
+
+
+def component_command(module: str, run_dir: str) -> list[str]:
+    return [sys.executable, "-u", "-m", module, "--run-dir", str(run_dir)]
+
+
+class ComponentTask:
+    """What each srun task runs (pickled by submitit): compute the env, run the component with its
+    output in the run's log file, pass termination signals on, fail when the component fails."""
+
+    def __init__(self, group, run_dir: str, attempt: int):
+        self.group = group
+        self.run_dir = str(run_dir)
+        self.attempt = attempt
+
+    def __call__(self) -> dict:
+        from rlctl.launchers.rundir import RunDir
+
+        env = slurm_task_env(self.group, self.run_dir, self.attempt)
+        rank = int(env["RLCTL_RANK"])
+        log = RunDir(Path(self.run_dir)).log_path(self.attempt, self.group.name, f"{self.group.name}.{rank}")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab", buffering=0) as out:
+            child = subprocess.Popen(component_command(self.group.module, self.run_dir),
+                                     env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+
+        # submitit ignores SIGTERM in the task (it waits for USR2); the component must see it.
+        def forward(signum, _frame):
+            if child.poll() is None:
+                child.send_signal(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, forward)
+        rc = child.wait()
+        if rc != 0:
+            raise RuntimeError(f"{self.group.name} rank {rank} on {socket.gethostname()} exited with {rc}; log: {log}")
+        return {"group": self.group.name, "rank": rank, "returncode": rc, "log": str(log)}

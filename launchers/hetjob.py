@@ -1,0 +1,246 @@
+"""Heterogeneous Slurm jobs through submitit (subclass, no fork).
+
+One sbatch script holds one `#SBATCH` block per het component, separated by `#SBATCH hetjob`; the
+batch script starts one `srun --het-group=K` step per group (each task runs submitit's
+`python -m submitit.core._submit <folder>/<group>`, which unpickles that group's ComponentTask), then
+supervises the steps: when a step fails, or when the orchestrator finishes, the others get
+`grace_period_s` to finish before they are terminated, and the batch script exits — which ends the
+whole allocation. Per-group submitit folders are needed because every component sees the leader's
+`SLURM_JOB_ID` and `SLURM_PROCID` restarts at 0 in each group.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import uuid
+from pathlib import Path
+
+from submitit.core import utils
+from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
+
+from rlctl.launchers.groups import JobGroup, components
+
+# Slurm states after which a job or component will not run again.
+FAILED_STATES = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+                 "PREEMPTED")
+_STATE_RANK = {"RUNNING": 1, "COMPLETING": 1, "PENDING": 2, "REQUEUED": 2, "COMPLETED": 3}
+
+
+def combined_state(states: list[str]) -> str:
+    """One state for a het job from its components' states: a failure wins, then running, then pending."""
+    states = [s.split()[0] for s in states if s]  # 'CANCELLED by 0' -> 'CANCELLED'
+    if not states:
+        return "UNKNOWN"
+    for s in states:
+        if s in FAILED_STATES:
+            return s
+    return min(states, key=lambda s: _STATE_RANK.get(s, 0))
+
+
+class HetInfoWatcher(SlurmInfoWatcher):
+    """sacct lists a het job as `JOBID+K` rows (one per component; steps as `JOBID+K.step`). Keep each
+    component under `JOBID+K` and map the job itself, `JOBID`, to the combined state."""
+
+    def _make_command(self):
+        to_check = {x.split("_")[0].split("+")[0] for x in self._registered - self._finished}
+        if not to_check:
+            return None
+        command = ["sacct", "-o", "JobID,State,NodeList,ExitCode", "--parsable2"]
+        for jid in sorted(to_check):
+            command.extend(["-j", jid])
+        return command
+
+    def read_info(self, string) -> dict[str, dict[str, str]]:
+        if not isinstance(string, str):
+            string = string.decode()
+        lines = string.splitlines()
+        if len(lines) < 2:
+            return {}
+        names = lines[0].split("|")
+        plain, parts = [], {}
+        for line in lines[1:]:
+            stats = {x: y.strip() for x, y in zip(names, line.split("|"))}
+            jid = stats.get("JobID", "")
+            if "+" in jid and "." not in jid:
+                parts[jid] = stats
+            else:
+                plain.append(line)
+        out = super().read_info("\n".join([lines[0], *plain])) if plain else {}
+        leaders: dict[str, list[dict]] = {}
+        for jid, stats in parts.items():
+            out[jid] = stats
+            leaders.setdefault(jid.split("+")[0], []).append(stats)
+        for leader, rows in leaders.items():
+            out[leader] = {"JobID": leader, "State": combined_state([r["State"] for r in rows]),
+                           "NodeList": ",".join(r.get("NodeList", "") for r in rows)}
+        return out
+
+
+class HetJob(SlurmJob):
+    """A submitted het job. `groups` is set by the executor; component states come from sacct."""
+
+    watcher = HetInfoWatcher(delay_s=60)
+    groups: list[JobGroup] = []
+
+    def component_info(self, het_index: int, mode: str = "standard") -> dict[str, str]:
+        self.watcher.get_info(self.job_id, mode=mode)
+        return self.watcher.get_info(f"{self.job_id}+{het_index}", mode="cache")
+
+    def group_job(self, name: str) -> SlurmJob:
+        """A submitit job view of one group (its result pickles live in `<folder>/<group>`)."""
+        group = next(g for g in self.groups if g.name == name)
+        return HetJob(folder=self._folder / name, job_id=self.job_id, tasks=list(range(group.ntasks)))
+
+
+def _flag(key: str, value) -> str:
+    return f"#SBATCH --{key}={shlex.quote(str(value))}"
+
+
+def component_block(group: JobGroup) -> list[str]:
+    lines = [_flag("nodes", group.nodes), _flag("ntasks-per-node", group.ntasks_per_node),
+             _flag("cpus-per-task", group.cpus_per_task), _flag("time", group.time_limit)]
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(group, key)
+        if value:
+            lines.append(_flag(key, value))
+    if group.gpus_per_node:
+        lines.append(_flag("gpus-per-node", group.gpus_per_node))
+    if group.mem_gib:
+        lines.append(_flag("mem", f"{group.mem_gib}G"))
+    return lines
+
+
+def srun_line(group: JobGroup, folder: Path, python: str) -> str:
+    out = shlex.quote(str(folder / group.name)) + '/"${SLURM_JOB_ID}"_%t_log'
+    args = ["srun", f"--het-group={group.het_index}", "--unbuffered", "--kill-on-bad-exit=1"]
+    if group.shares_component:  # one task beside another group's step on its first node
+        args += ["--nodes=1", "--ntasks=1", "--overlap"]
+    else:
+        args += [f"--nodes={group.nodes}", f"--ntasks-per-node={group.ntasks_per_node}"]
+    cmd = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder / group.name))}"
+    return f"{' '.join(args)} --output={out}.out --error={out}.err {cmd} &"
+
+
+SUPERVISOR = r"""
+log() { echo "[rlctl $(date +%H:%M:%S)] $*"; }
+rc_final=0; deadline=0; stopping=0; declare -A ended=()
+stop_running() {
+  stopping=1
+  local i
+  for i in "${!pids[@]}"; do [[ -z ${ended[$i]:-} ]] && kill -TERM "${pids[$i]}" 2>/dev/null; done
+  for _ in $(seq 15); do
+    local alive=0
+    for i in "${!pids[@]}"; do kill -0 "${pids[$i]}" 2>/dev/null && alive=1; done
+    (( alive )) || return 0
+    sleep 1
+  done
+  for i in "${!pids[@]}"; do kill -KILL "${pids[$i]}" 2>/dev/null; done
+}
+trap 'log "job signalled: stopping every group"; stop_running; exit 143' TERM INT
+while :; do
+  running=0
+  for i in "${!pids[@]}"; do
+    [[ -n ${ended[$i]:-} ]] && continue
+    if kill -0 "${pids[$i]}" 2>/dev/null; then running=$((running + 1)); continue; fi
+    wait "${pids[$i]}"; rc=$?; ended[$i]=$rc
+    log "group ${names[$i]} step exited with code $rc"
+    (( rc != 0 && rc_final == 0 && stopping == 0 )) && rc_final=$rc
+    if (( deadline == 0 )) && { (( rc != 0 )) || [[ ${names[$i]} == orchestrator ]]; }; then
+      deadline=$((SECONDS + GRACE))
+      log "stopping the other groups within ${GRACE}s"
+    fi
+  done
+  (( running == 0 )) && break
+  if (( deadline > 0 && SECONDS >= deadline )); then
+    log "grace period over: terminating the remaining steps"
+    stop_running
+    break
+  fi
+  sleep 1
+done
+log "job ends with code $rc_final"
+exit $rc_final
+"""
+
+
+def render_het_script(groups: list[JobGroup], folder: Path, python: str, *, job_name: str,
+                      batch_log: Path, grace_period_s: int, env: dict[str, str] | None = None) -> str:
+    """The complete sbatch script of a het job running `groups`."""
+    lines = ["#!/bin/bash", f"# rlctl heterogeneous job {job_name}: generated by `rlctl launch`, do not edit.",
+             _flag("job-name", job_name), _flag("output", batch_log), "#SBATCH --open-mode=append"]
+    for k, comp in enumerate(components(groups)):
+        if k:
+            lines.append("#SBATCH hetjob")
+        owner = comp[0]
+        lines.append(f"# het component {k}: {', '.join(g.name for g in comp)}")
+        lines += component_block(owner)
+    lines += ["", "set -u", "umask 077  # result pickles and logs: owner only", "export SUBMITIT_EXECUTOR=slurm"]
+    for key, value in (env or {}).items():
+        lines.append(f"export {key}={shlex.quote(str(value))}")
+    lines += [f"GRACE={int(grace_period_s)}", "pids=(); names=()"]
+    for group in groups:
+        lines.append(srun_line(group, folder, python))
+        lines.append(f"pids+=($!); names+=({group.name})")
+    return "\n".join(lines) + "\n" + SUPERVISOR
+
+
+def strip_slurm_env(environ: dict[str, str]) -> list[str]:
+    """Variables inherited from an enclosing Slurm job that would leak into the new job's options."""
+    return sorted(k for k in environ if k.startswith("SLURM_") and k != "SLURM_CONF")
+
+
+class HetSlurmExecutor(SlurmExecutor):
+    """submitit's SlurmExecutor for het jobs: `submit_groups({group: callable})` → one HetJob."""
+
+    job_class = HetJob
+
+    def __init__(self, folder: Path, groups: list[JobGroup], *, job_name: str, batch_log: Path,
+                 grace_period_s: int, env: dict[str, str] | None = None, python: str | None = None):
+        super().__init__(folder, max_num_timeout=0, python=python)
+        self.groups = list(groups)
+        self.job_name = job_name
+        self.batch_log = Path(batch_log)
+        self.grace_period_s = grace_period_s
+        self.script_env = dict(env or {})
+        Path(folder).mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(folder, 0o700)
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return render_het_script(self.groups, Path(self.folder), self.python, job_name=self.job_name,
+                                 batch_log=self.batch_log, grace_period_s=self.grace_period_s,
+                                 env=self.script_env)
+
+    def _num_tasks(self) -> int:
+        return sum(g.ntasks for g in self.groups)
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        unset = [a for k in strip_slurm_env(dict(os.environ)) for a in ("-u", k)]
+        return ["env", *unset, "sbatch", str(submission_file_path)]
+
+    def _internal_process_submissions(self, delayed_submissions):
+        raise NotImplementedError("het jobs are submitted with submit_groups(), one callable per group")
+
+    def script_text(self) -> str:
+        return self._make_submission_file_text("", "dry-run")
+
+    def submit_groups(self, tasks: dict[str, object]) -> HetJob:
+        missing = {g.name for g in self.groups} - set(tasks)
+        if missing:
+            raise ValueError(f"no task for group(s) {sorted(missing)}")
+        tmp_folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+        staged = {}
+        for name, fn in tasks.items():
+            pickle_path = tmp_folder / f".{uuid.uuid4().hex}.pkl"
+            delayed = utils.DelayedSubmission(fn)
+            delayed.set_timeout(0, 0)
+            delayed.dump(pickle_path)
+            os.chmod(pickle_path, 0o600)  # a pickle executes code when loaded
+            staged[name] = pickle_path
+        self._throttle()
+        job = self._submit_command(self._submitit_command_str)
+        job.groups = self.groups
+        os.chmod(job.paths.submission_file, 0o600)
+        for name, pickle_path in staged.items():
+            HetJob(folder=Path(self.folder) / name, job_id=job.job_id).paths.move_temporary_file(
+                pickle_path, "submitted_pickle")
+        return job

@@ -1,0 +1,90 @@
+"""Trivial but real entry points for launcher tests: `python -m rlctl.launchers.smoke --run-dir DIR`.
+
+Select them per group with `deployment.entrypoints = {trainer = "rlctl.launchers.smoke", ...}`.
+Each task writes `smoke/<group>.<rank>.json` (host, pid, the contract's environment) and follows the
+component protocol: inference tasks announce a URL, the orchestrator waits for every inference
+announcement, announces a router, holds `deployment.smoke.run_s` seconds, writes `DONE` and exits 0;
+trainer and inference tasks exit 0 once `DONE` exists. `deployment.smoke.fail_*` makes one rank exit
+with an error code, for teardown tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from rlctl.launchers.rundir import RunDir, atomic_write_json
+
+ENV_PREFIXES = ("RLCTL_", "MASTER_", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_ID", "SLURMD_NODENAME")
+ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _wait_done(run: RunDir, timeout_s: float = 24 * 3600) -> None:
+    deadline = time.time() + timeout_s
+    while not (run.root / "DONE").exists():
+        if time.time() > deadline:
+            sys.exit("smoke: DONE never appeared")
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    run = RunDir(Path(args.run_dir))
+    recipe = json.loads(run.recipe_json.read_text())
+    placement = json.loads((run.configs / "placement.json").read_text())
+    smoke = recipe.get("deployment", {}).get("smoke", {})
+    group, rank = os.environ["RLCTL_GROUP"], int(os.environ.get("RLCTL_RANK", "0"))
+    record = {
+        "group": group, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+        "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "started": time.time(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_KEYS},
+    }
+    out = run.root / "smoke" / f"{group}.{rank}.json"
+    atomic_write_json(out, record)
+    print(f"smoke {group} rank {rank} on {record['node']} pid {record['pid']}", flush=True)
+
+    if smoke.get("fail_group") == group and int(smoke.get("fail_rank", 0)) == rank:
+        time.sleep(float(smoke.get("fail_after_s", 0.0)))
+        print(f"smoke {group} rank {rank}: failing on purpose", flush=True)
+        return int(smoke.get("exit_code", 3))
+
+    if group == "inference":
+        host = os.environ["RLCTL_BIND_HOST"]
+        url = f"http://{host}:{_free_port(host)}"
+        run.announce("inference", os.environ["RLCTL_SERVER_INDEX"],
+                     {"url": url, "index": int(os.environ["RLCTL_SERVER_INDEX"]), "pid": os.getpid(), "host": host})
+        _wait_done(run)
+    elif group == "trainer":
+        _wait_done(run)
+    else:
+        want = int(placement["inference_servers"])
+        deadline = time.time() + 300
+        while len(run.announced("inference")) < want:
+            if time.time() > deadline:
+                print(f"smoke orchestrator: only {len(run.announced('inference'))}/{want} servers", flush=True)
+                return 4
+            time.sleep(0.2)
+        router = {"url": f"http://127.0.0.1:{_free_port('127.0.0.1')}", "pid": os.getpid()}
+        run.announce("router", "0", router)
+        record["saw"] = {"inference": [a["url"] for a in run.announced("inference")], "router": router["url"]}
+        atomic_write_json(out, record)
+        time.sleep(float(smoke.get("run_s", 1.0)))
+        atomic_write_json(run.root / "DONE", {"time": time.time(), "by": "smoke"})
+    print(f"smoke {group} rank {rank}: clean exit", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
