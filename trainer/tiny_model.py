@@ -29,7 +29,7 @@ TINY_QWEN3: dict = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 32,  # vLLM's CPU attention kernels support head sizes 32, 64, 80, ... (not 16)
     "hidden_act": "silu",
     "vocab_size": VOCAB_SIZE,
     "max_position_embeddings": 256,
