@@ -60,10 +60,14 @@ class TrainerConfig(StrictModel):
     """Sequences per micro-batch per GPU."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of parameters (master weights and optimizer state stay fp32)."""
+    optimizer_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the sharded master weights, gradients and AdamW moments: float32 = 16 B/param, bfloat16 = 8 B/param (for the largest MoE models)."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """Optimizer settings."""
     loss: LossConfig = LossConfig()
     """Loss settings."""
+    batch_timeout_s: float = 3600.0
+    """Seconds the trainer waits for the orchestrator's next rollout batch before failing."""
 
     @field_validator("fsdp", "ep", "cp", "tp")
     @classmethod

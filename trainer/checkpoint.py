@@ -1,0 +1,166 @@
+"""Trainer checkpoints with torch DCP: `checkpoints/step_N/trainer/` + `COMPLETE` marker.
+
+`step_N` is the state after N trained steps (policy version N; the next batch to train is N).
+Each rank writes its own shards of model and optimizer state (DCP, no gather), plus a small
+`extra_rank<R>.pt` with its RNG states and the LR schedule. Everything is written under
+`step_N/.trainer.tmp`, renamed to `step_N/trainer` once all ranks are done, and the marker is
+written last. Other components may keep their own parts beside it (e.g. `step_N/orchestrator`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from rlctl.launchers.rundir import MARKER, parse_step, step_dir_name
+
+PART = "trainer"
+
+
+def trainer_part(checkpoints: Path, step: int) -> Path:
+    return Path(checkpoints) / step_dir_name(step) / PART
+
+
+def complete_checkpoints(checkpoints: Path) -> list[int]:
+    """Steps whose trainer part is complete, ascending."""
+    checkpoints = Path(checkpoints)
+    if not checkpoints.is_dir():
+        return []
+    steps = [parse_step(p.name) for p in checkpoints.iterdir()]
+    return sorted(s for s in steps if s is not None and (trainer_part(checkpoints, s) / MARKER).exists())
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict:
+    import random
+
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, rank: int, keep_last: int) -> Path:
+    """Collective: all ranks call it. Returns the trainer part directory of `step`."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = trainer_part(checkpoints, step)
+    stage = final.parent / f".{PART}.tmp"
+    if (final / MARKER).exists():
+        return final
+    if rank == 0:
+        for leftover in (stage, final):  # a crashed earlier attempt at this step
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        stage.mkdir(parents=True)
+    _barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(stage))
+    extra = stage / f"extra_rank{rank}.pt"
+    torch.save({"step": step, "rng": _rng_state(), "scheduler": scheduler.state_dict()}, extra)
+    _fsync(extra)
+    _barrier()
+    if rank == 0:
+        _fsync(stage)
+        os.rename(stage, final)
+        _fsync(final.parent)
+        tmp = final / f".{MARKER}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"step": step, "time": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final / MARKER)
+        prune(checkpoints, keep_last)
+    _barrier()
+    return final
+
+
+def prune(checkpoints: Path, keep_last: int) -> list[int]:
+    """Delete step directories older than the `keep_last` newest complete ones; returns deleted steps.
+
+    The newest complete checkpoint is always kept (keep_last < 1 counts as 1), and nothing newer than
+    the oldest kept one is touched (a checkpoint in progress stays).
+    """
+    complete = complete_checkpoints(checkpoints)
+    if not complete:
+        return []
+    kept = complete[-max(keep_last, 1) :]
+    deleted = []
+    for child in Path(checkpoints).iterdir():
+        step = parse_step(child.name)
+        if step is not None and step < kept[0]:
+            shutil.rmtree(child, ignore_errors=True)
+            deleted.append(step)
+    return sorted(deleted)
+
+
+def load_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, rank: int) -> None:
+    """Collective: restore model, optimizer, LR schedule and this rank's RNG from `step`."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from rlctl.recipes.errors import RecipeError
+
+    final = trainer_part(checkpoints, step)
+    if not (final / MARKER).exists():
+        have = complete_checkpoints(checkpoints)
+        raise RecipeError(
+            f"no complete trainer checkpoint for step {step} in {checkpoints} (complete: {have or 'none'})",
+            "resume step",
+        )
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(final))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra_path = final / f"extra_rank{rank}.pt"
+    if not extra_path.exists():  # resumed with more ranks than saved: reuse rank 0's schedule/RNG
+        extra_path = final / "extra_rank0.pt"
+    extra = torch.load(extra_path, weights_only=False)
+    scheduler.load_state_dict(extra["scheduler"])
+    _set_rng_state(extra["rng"])
+
+
+def resolve_resume_step(checkpoints: Path, value: str | None) -> int | None:
+    """`--resume-step` / RLCTL_RESUME_STEP: an int, 'latest' (newest complete, None if there is none)."""
+    from rlctl.recipes.errors import RecipeError
+
+    if value is None or value == "":
+        return None
+    if value == "latest":
+        have = complete_checkpoints(checkpoints)
+        return have[-1] if have else None
+    if not value.isdigit():
+        raise RecipeError(f"expected a step number or 'latest' (got {value!r})", "resume step")
+    return int(value)

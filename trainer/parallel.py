@@ -1,0 +1,139 @@
+"""Process group, device mesh and FSDP2 sharding of the trainer.
+
+The degrees follow torchtitan's `ParallelDims` (world = dp_replicate × dp_shard × cp × tp, experts
+sharded by ep over the data-parallel ranks). This trainer implements data parallelism: FSDP2
+`fully_shard` over `dp_shard`, plus plain replication (HSDP) when the recipe's `fsdp` is smaller than
+the world. Context, tensor and expert parallelism are refused with a one-line error instead of being
+silently ignored.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from rlctl.recipes.errors import RecipeError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees for one trainer run."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+    world_size: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        if self.dp_replicate > 1:
+            return (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+        return (self.dp_shard,), ("dp_shard",)
+
+
+def resolve_dims(trainer_cfg, world_size: int, device_type: str) -> ParallelDims:
+    """Turn the recipe's degrees (ints or 'auto') into concrete ones for `world_size` ranks."""
+
+    def fixed(name: str) -> int:
+        value = getattr(trainer_cfg, name)
+        return 1 if value == "auto" else int(value)
+
+    cp, tp, ep = fixed("cp"), fixed("tp"), fixed("ep")
+    for name, value, what in (("cp", cp, "context"), ("tp", tp, "tensor"), ("ep", ep, "expert")):
+        if value > 1:
+            raise RecipeError(
+                f"{what} parallelism (got {value}) is not implemented by the trainer on {device_type}; "
+                "allowed: 1 (the trainer shards with FSDP2 over trainer.fsdp ranks)",
+                f"trainer.{name}",
+            )
+    if trainer_cfg.fsdp == "auto":
+        shard = world_size
+    else:
+        shard = int(trainer_cfg.fsdp)
+        if shard > world_size or world_size % shard:
+            raise RecipeError(
+                f"must divide the trainer world size {world_size} (got {shard})", "trainer.fsdp"
+            )
+    return ParallelDims(world_size // shard, shard, cp, tp, ep, world_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int, "torch.device"]:  # noqa: F821
+    """Initialise torch.distributed from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    Without those variables it runs as a single rank on a private loopback port. NCCL and a
+    `cuda:LOCAL_RANK` device when GPUs are present, gloo on CPU.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"trainer: WORLD_SIZE is set but {', '.join(missing)} is not (set by the launcher)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world)
+    return rank, world, device
+
+
+def build_mesh(dims: ParallelDims, device: "torch.device"):  # noqa: F821
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = dims.mesh_shape()
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def decoder_layers(model):
+    """The repeated transformer blocks of a transformers causal LM (`model.model.layers`)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise RuntimeError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
+    return layers
+
+
+def apply_fsdp(model, mesh, dtype: str, activation_checkpointing: bool):
+    """Activation checkpointing (optional), then `fully_shard` each decoder layer and the root.
+
+    Parameters and optimizer state stay fp32 (master weights); with dtype=bfloat16 the all-gathered
+    compute copies are bf16 and gradients are reduced in fp32.
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    layers = decoder_layers(model)
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(list(layers)):
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32, reduce_dtype=torch.float32
+    )
+    n = len(layers)
+    for i, layer in enumerate(layers):
+        # the last layer's params are needed right away by the root's backward: keep them gathered
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model

@@ -1,0 +1,226 @@
+"""The trainer process: read rollout batch N, one optimizer step, publish policy version N+1.
+
+Run one process per rank (`python -m rlctl.trainer --run-dir DIR`, env RANK/WORLD_SIZE/MASTER_*).
+Every rank reads the whole batch file from the shared filesystem and takes rows `rank::world`, so no
+data is scattered over the network; the loss is normalised by the batch's total completion-token
+count so the gradient is the same however the batch is split across ranks and micro-batches.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from rlctl.launchers.rundir import RunDir, append_jsonl, step_dir_name
+from rlctl.recipes.errors import RecipeError
+
+DONE_FILE = "DONE"
+
+
+class Trainer:
+    def __init__(self, run: RunDir, recipe, resume: str | None = None):
+        import torch
+
+        from rlctl.trainer.checkpoint import load_checkpoint, resolve_resume_step
+        from rlctl.trainer.loss import load_loss
+        from rlctl.trainer.model import load_causal_lm, resolve_model_dir
+        from rlctl.trainer.parallel import apply_fsdp, build_mesh, init_distributed, resolve_dims
+        from rlctl.trainer.weights import load_config
+
+        self.run, self.recipe, self.cfg = run, recipe, recipe.trainer
+        self.loss_fn = load_loss(self.cfg.loss.path)
+        self.rank, self.world, self.device = init_distributed()
+        self.dims = resolve_dims(self.cfg, self.world, self.device.type)
+        self.model_dir = resolve_model_dir(run, recipe)
+        self.hf_config = load_config(self.model_dir)
+        torch.manual_seed(recipe.orchestrator.seed)
+        self.model = load_causal_lm(self.model_dir, self.device)
+        self.mesh = build_mesh(self.dims, self.device)
+        apply_fsdp(self.model, self.mesh, self.cfg.dtype, self.cfg.activation_checkpointing)
+        opt = self.cfg.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
+        )
+        warmup = opt.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.max_steps = recipe.orchestrator.max_steps
+        resume_step = resolve_resume_step(run.checkpoints, resume)
+        self.start_step = 0
+        if resume_step is not None:
+            load_checkpoint(run.checkpoints, resume_step, self.model, self.optimizer, self.scheduler, self.rank)
+            self.start_step = resume_step
+        self.log(
+            f"trainer ready: world={self.world} {self.dims} device={self.device} model={self.model_dir} "
+            f"start_step={self.start_step} max_steps={self.max_steps}"
+        )
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[trainer {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # ---- weights -------------------------------------------------------------------------
+    def publish(self, step: int) -> float:
+        """Collective: gather the full weights and publish them as `weights/step_N` (rank 0 writes)."""
+        from rlctl.launchers.rundir import MARKER
+        from rlctl.trainer.weights import gather_full_state_dict, publish_weights
+
+        t0 = time.perf_counter()
+        state = gather_full_state_dict(self.model)
+        if self.rank == 0 and not (self.run.weights / step_dir_name(step) / MARKER).exists():
+            publish_weights(self.run.weights, step, state, self.hf_config)
+        return time.perf_counter() - t0
+
+    # ---- one step ------------------------------------------------------------------------
+    def _micro_batches(self, batch: dict):
+        """Yield (tensors, is_padding) micro-batches of this rank's rows; same count on every rank."""
+        import torch
+
+        n_rows = batch["input_ids"].shape[0]
+        rows = torch.arange(self.rank, n_rows, self.world)
+        per_rank = math.ceil(n_rows / self.world)
+        mbs = self.cfg.micro_batch_size
+        keys = ("input_ids", "attention_mask", "loss_mask", "inference_logprobs", "advantages")
+        for i in range(max(1, math.ceil(per_rank / mbs))):
+            idx = rows[i * mbs : (i + 1) * mbs]
+            # a rank with fewer rows still runs forward/backward (FSDP collectives must match) on a
+            # row whose loss mask is cleared, so it contributes nothing
+            padding = len(idx) == 0
+            if padding:
+                idx = torch.tensor([0])
+            sub = {k: batch[k][idx] for k in keys}
+            length = max(2, int(sub["attention_mask"].sum(dim=1).max()))
+            for k in keys[:-1]:
+                sub[k] = sub[k][:, :length]
+            if padding:
+                sub["loss_mask"] = torch.zeros_like(sub["loss_mask"])
+            yield {k: v.to(self.device) for k, v in sub.items()}
+
+    def train_step(self, batch: dict) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        from rlctl.trainer.loss import summarize, token_logprobs_and_entropy
+
+        total_tokens = float(batch["loss_mask"].sum())
+        micro = list(self._micro_batches(batch))
+        sums = torch.zeros(6, dtype=torch.float64)  # loss, tokens, kl, entropy, masked, ratio
+        for i, mb in enumerate(micro):
+            self.model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce grads once per step
+            logits = self.model(input_ids=mb["input_ids"]).logits
+            logprobs, entropy = token_logprobs_and_entropy(logits, mb["input_ids"])
+            loss, m = self.loss_fn(
+                logprobs, mb["inference_logprobs"], mb["advantages"], mb["loss_mask"], self.cfg.loss,
+                num_tokens=total_tokens, entropy=entropy,
+            )
+            # FSDP averages gradients over the data-parallel ranks; scale so they add up instead
+            (loss * self.dims.dp).backward()
+            sums += torch.tensor(
+                [loss.item(), *(float(m.get(k, 0.0)) for k in ("tokens", "mismatch_kl_sum", "entropy_sum", "masked_tokens", "ratio_sum"))],
+                dtype=torch.float64,
+            )
+        max_norm = self.cfg.optimizer.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        loss_sum, tokens, kl, ent, masked, ratio = sums.tolist()
+        out = summarize(
+            {"tokens": tokens, "mismatch_kl_sum": kl, "entropy_sum": ent, "masked_tokens": masked, "ratio_sum": ratio}
+        )
+        out.update(loss=loss_sum, grad_norm=float(grad_norm), tokens=int(tokens), lr=lr)
+        return out
+
+    # ---- the loop ------------------------------------------------------------------------
+    def fit(self) -> int:
+        from rlctl.orchestrator.rollouts import read_batch, wait_for_batch
+        from rlctl.trainer.checkpoint import save_checkpoint
+
+        publish_s = self.publish(self.start_step)
+        self.log(f"published weights/{step_dir_name(self.start_step)} in {publish_s:.3f}s")
+        done = self.run.root / DONE_FILE
+        ckpt = self.recipe.checkpoint
+        for step in range(self.start_step, self.max_steps):
+            t_wait = time.perf_counter()
+            folder = wait_for_batch(self.run.rollouts, step, self.cfg.batch_timeout_s, stop_file=done)
+            if folder is None:
+                self.log(f"{DONE_FILE} appeared before rollouts/{step_dir_name(step)}: stopping at step {step}")
+                return 0
+            batch, meta = read_batch(folder)
+            wait_s = time.perf_counter() - t_wait
+            t0 = time.perf_counter()
+            metrics = self.train_step(batch)
+            step_s = time.perf_counter() - t0
+            publish_s = self.publish(step + 1)
+            if self.rank == 0:
+                record = {
+                    "component": "trainer", "step": step, "time": time.time(),
+                    "trainer_step_time_s": step_s, "wait_batch_s": wait_s, "weight_publish_s": publish_s,
+                    "reward_mean_batch": float(batch["rewards"].float().mean()) if "rewards" in batch else None,
+                    "policy_version_max": meta.get("policy_version_max"),
+                    **metrics,
+                }
+                append_jsonl(self.run.metrics, record)
+                self.log(
+                    f"step {step}: loss={metrics['loss']:+.4f} kl={metrics['mismatch_kl']:.2e} "
+                    f"entropy={metrics.get('entropy', float('nan')):.3f} grad_norm={metrics['grad_norm']:.3f} "
+                    f"masked={metrics['masked_fraction']:.3f} tokens={metrics['tokens']} step={step_s:.3f}s "
+                    f"wait={wait_s:.3f}s publish={publish_s:.3f}s"
+                )
+            if ckpt.interval and (step + 1) % ckpt.interval == 0:
+                t_ckpt = time.perf_counter()
+                save_checkpoint(self.run.checkpoints, step + 1, self.model, self.optimizer, self.scheduler, self.rank, ckpt.keep_last)
+                self.log(f"checkpoint step_{step + 1} saved in {time.perf_counter() - t_ckpt:.3f}s")
+        self.log(f"finished: trained steps {self.start_step}..{self.max_steps - 1}")
+        return 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlctl.trainer", description="rlctl FSDP2 trainer (one process per rank)")
+    p.add_argument("--run-dir", default=os.environ.get("RLCTL_RUN_DIR"), help="run directory (default: $RLCTL_RUN_DIR)")
+    p.add_argument(
+        "--resume-step", default=os.environ.get("RLCTL_RESUME_STEP"),
+        help="resume from checkpoints/step_N (a number or 'latest'; default: $RLCTL_RESUME_STEP)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    try:
+        if not args.run_dir:
+            raise RecipeError("no run directory: pass --run-dir or set RLCTL_RUN_DIR", "run dir")
+        run = RunDir(Path(args.run_dir))
+        if not run.recipe_json.is_file():
+            raise RecipeError(f"{run.recipe_json} does not exist (not a run directory?)", "run dir")
+        code = Trainer(run, run.load_recipe(), args.resume_step).fit()
+    except RecipeError as exc:
+        print(f"trainer rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        code = RecipeError.exit_code
+    except Exception as exc:  # noqa: BLE001 - the log gets the traceback, the last line says what failed
+        traceback.print_exc()
+        print(f"trainer rank {rank}: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        _shutdown()
+    return code
+
+
+def _shutdown() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
