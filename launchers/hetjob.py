@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 import uuid
 from pathlib import Path
 
@@ -184,6 +185,11 @@ def render_het_script(groups: list[JobGroup], folder: Path, python: str, *, job_
     return "\n".join(lines) + "\n" + SUPERVISOR
 
 
+def shlex_python() -> str:
+    """The interpreter tasks run with (submitit's default: this one)."""
+    return shlex.quote(sys.executable)
+
+
 def strip_slurm_env(environ: dict[str, str]) -> list[str]:
     """Variables inherited from an enclosing Slurm job that would leak into the new job's options."""
     return sorted(k for k in environ if k.startswith("SLURM_") and k != "SLURM_CONF")
@@ -244,3 +250,46 @@ class HetSlurmExecutor(SlurmExecutor):
             HetJob(folder=Path(self.folder) / name, job_id=job.job_id).paths.move_temporary_file(
                 pickle_path, "submitted_pickle")
         return job
+
+
+ACTIVE_STATES = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED",
+                 "SIGNALING", "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD")
+
+
+def _rows(cmd: list[str]) -> list[list[str]]:
+    import subprocess
+
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.split("|") for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def parse_component_rows(job_id: str, rows: list[list[str]]) -> dict[int, dict]:
+    """`[['12+1', 'RUNNING', 'node[1-2]'], ...]` → {1: {'state': 'RUNNING', 'nodelist': 'node[1-2]'}}.
+    A plain (non-het) job id counts as component 0; step rows (`12+1.0`) are skipped."""
+    out: dict[int, dict] = {}
+    for row in rows:
+        if len(row) < 3 or "." in row[0]:
+            continue
+        jid, state, nodes = row[0], row[1].split()[0] if row[1] else "UNKNOWN", row[2]
+        leader, _, k = jid.partition("+")
+        if leader != str(job_id):
+            continue
+        nodes = "" if nodes in ("", "None assigned", "(null)") or nodes.startswith("(") else nodes
+        out[int(k or 0)] = {"state": state, "nodelist": nodes or None}
+    return out
+
+
+def component_states(job_id: str) -> dict[int, dict]:
+    """Live state and nodes of each het component: squeue while queued, then sacct."""
+    states = parse_component_rows(job_id, _rows(["squeue", "-h", "-j", str(job_id), "-o", "%i|%T|%N"]))
+    if states:
+        return states
+    return parse_component_rows(job_id, _rows(["sacct", "-n", "-X", "-P", "-j", str(job_id),
+                                              "-o", "JobID,State,NodeList"]))
+
+
+def job_finished(states: dict[int, dict]) -> bool:
+    return bool(states) and all(v["state"] not in ACTIVE_STATES for v in states.values())

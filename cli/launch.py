@@ -1,0 +1,146 @@
+"""`rlctl launch`, `rlctl cancel`, `rlctl logs`. Domain code is imported inside the commands."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import List, Optional
+
+import typer
+
+from rlctl.cli.common import fail, print_json, user_errors
+
+ALLOCATION_PEEK_S = 1.0  # without --wait, how long launch looks for the allocation before returning
+
+
+def _group_rows(result, states: dict) -> list[dict]:
+    rows = []
+    for g in result.groups:
+        st = states.get(g.het_index, {})
+        rows.append({**g.manifest_entry(), "state": st.get("state", "PENDING" if result.job_id else None),
+                     "nodelist": st.get("nodelist")})
+    return rows
+
+
+def _print_summary(result, rows: list[dict]) -> None:
+    typer.echo(f"run dir:  {result.run.root}")
+    if result.dry_run:
+        if result.script:
+            typer.echo(f"sbatch script (not submitted): {result.script}")
+        else:
+            typer.echo("dry run: configs written, nothing started")
+        return
+    if result.job_id:
+        typer.echo(f"job id:   {result.job_id}  (attempt {result.attempt})")
+    else:
+        typer.echo(f"local supervisor pid: {result.supervisor_pid}  (attempt {result.attempt})")
+    for r in rows:
+        where = r["nodelist"] or ("pending" if result.job_id else "this host")
+        typer.echo(f"  {r['name']:<13} het-group {r['het_index']}  {r['nodes']} node(s) x {r['ntasks_per_node']} "
+                   f"task(s)  {r['state'] or ''}  {where}")
+
+
+def _wait_slurm(result, as_json: bool) -> int:
+    from rlctl.launchers.hetjob import component_states, job_finished
+
+    last = None
+    while True:
+        states = component_states(result.job_id)
+        view = {k: (v["state"], v["nodelist"]) for k, v in states.items()}
+        if view != last and not as_json:
+            typer.echo(time.strftime("%H:%M:%S ") + "  ".join(
+                f"{g.name}={states.get(g.het_index, {}).get('state', '?')}" for g in result.groups), err=True)
+            last = view
+        if job_finished(states):
+            bad = {k: v["state"] for k, v in states.items() if v["state"] != "COMPLETED"}
+            return 1 if bad else 0
+        time.sleep(1.0)
+
+
+def _wait_local(result) -> int:
+    from rlctl.launchers.local import status_dir
+
+    path = status_dir(result.run) / "supervisor.json"
+    while True:
+        try:
+            st = json.loads(path.read_text())
+        except (OSError, ValueError):
+            st = {}
+        if st.get("state") in ("exited", "cancelled"):
+            return int(st.get("returncode") or 0)
+        time.sleep(0.5)
+
+
+def launch_cmd(
+    recipes: List[str] = typer.Argument(..., help="Recipe TOML files (or built-in names), composed left to right."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", "-c", help="Cluster profile (name or YAML path); overrides cluster.profile."),
+    override: List[str] = typer.Option([], "--override", "-o", help="key.path=value override (repeatable)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Run name (default: <recipe name>-<timestamp>)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the run dir, configs and the sbatch script; submit nothing."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the job until it ends; exit non-zero if it failed."),
+    resume: bool = typer.Option(False, "--resume", help="Allow launching a new attempt into an existing run (with --name)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Submit a recipe: one heterogeneous Slurm job (or local processes with --cluster local)."""
+    from rlctl.launchers.launch import launch
+
+    result = launch(recipes, override, cluster=cluster, name=name, dry_run=dry_run, resume=resume)
+    states: dict = {}
+    if result.job_id:
+        from rlctl.launchers.hetjob import component_states
+
+        deadline = time.time() + ALLOCATION_PEEK_S
+        while True:
+            states = component_states(result.job_id)
+            if all(s.get("nodelist") for s in states.values()) and states or time.time() > deadline:
+                break
+            time.sleep(0.2)
+    rows = _group_rows(result, states)
+    if as_json:
+        print_json({"run_dir": str(result.run.root), "name": result.name, "scheduler": result.scheduler,
+                    "job_id": result.job_id, "attempt": result.attempt, "dry_run": result.dry_run,
+                    "script": str(result.script) if result.script else None,
+                    "supervisor_pid": result.supervisor_pid, "groups": rows})
+    else:
+        _print_summary(result, rows)
+    if wait and not dry_run:
+        rc = _wait_slurm(result, as_json) if result.job_id else _wait_local(result)
+        if not as_json:
+            typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc}); logs: {result.run.logs / 'latest'}")
+        raise typer.Exit(rc)
+
+
+def cancel_cmd(run: str = typer.Argument(..., help="Run directory or run name."),
+               timeout: float = typer.Option(60.0, help="Seconds to wait until everything has stopped.")) -> None:
+    """Stop a run: scancel its het job, or stop the local supervisor and all its processes."""
+    from rlctl.launchers.control import cancel_run
+    from rlctl.launchers.launch import resolve_run
+
+    msg = cancel_run(resolve_run(run), timeout)
+    typer.echo(msg)
+
+
+def logs_cmd(run: str = typer.Argument(..., help="Run directory or run name."),
+             group: Optional[str] = typer.Argument(None, help="orchestrator | inference | trainer | job"),
+             follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the run ends."),
+             attempt: Optional[int] = typer.Option(None, help="Attempt number (default: latest).")) -> None:
+    """Print the logs of a run (per component), optionally following them."""
+    from rlctl.launchers.control import follow_logs, log_files, run_active
+    from rlctl.launchers.launch import resolve_run
+
+    rd = resolve_run(run)
+    files = log_files(rd, group, attempt)
+    if not files:
+        fail(f"no logs yet for {group or 'any group'} in {rd.root}/logs")
+    if not follow:
+        for path in files:
+            typer.echo(f"==> {path.relative_to(rd.root)} <==")
+            sys.stdout.write(path.read_text(errors="replace"))
+        return
+    follow_logs(rd, group, attempt, lambda: run_active(rd))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("launch")(user_errors(launch_cmd))
+    app.command("cancel")(user_errors(cancel_cmd))
+    app.command("logs")(user_errors(logs_cmd))

@@ -1,0 +1,186 @@
+"""The local launcher: a detached supervisor process runs every group's tasks as local processes.
+
+`start_supervisor(run, attempt)` spawns `python -m rlctl.launchers.local --run-dir DIR --attempt N` in
+its own session and returns at once. The supervisor starts each task in its own process group (so a
+component's children — e.g. the router under the orchestrator — are stopped with it), keeps
+`status/<group>.<group>.<rank>.json` and `status/supervisor.json` up to date, and applies the same
+teardown as the Slurm job: a failed task or a finished orchestrator gives the others
+`deployment.grace_period_s`, then everything left is terminated (TERM, then KILL). SIGTERM to the
+supervisor (`rlctl cancel`) stops everything; no process outlives it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlctl.launchers.env import component_command, component_env
+from rlctl.launchers.groups import JobGroup
+from rlctl.launchers.rundir import RunDir, atomic_write_json
+
+KILL_AFTER_S = 10.0  # after TERM, seconds before KILL
+
+
+def status_dir(run: RunDir) -> Path:
+    return run.root / "status"
+
+
+def start_supervisor(run: RunDir, attempt: int) -> int:
+    log = run.attempt_logs(attempt) / "supervisor.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    status_dir(run).mkdir(exist_ok=True)
+    atomic_write_json(status_dir(run) / "supervisor.json", {"pid": None, "state": "starting", "returncode": None})
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlctl.launchers.local", "--run-dir", str(run.root), "--attempt", str(attempt)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            close_fds=True)
+    return proc.pid
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Task:
+    def __init__(self, run: RunDir, attempt: int, group: JobGroup, rank: int, master_port: int):
+        self.group, self.rank = group, rank
+        self.status_path = status_dir(run) / f"{group.name}.{group.name}.{rank}.json"
+        self.log = run.log_path(attempt, group.name, f"{group.name}.{rank}")
+        self.env = component_env(
+            run_dir=str(run.root), attempt=attempt, group=group.name, rank=rank,
+            local_rank=rank % group.ntasks_per_node, local_world_size=group.ntasks_per_node,
+            world_size=group.ntasks, node_index=rank // group.ntasks_per_node,
+            node_addrs=["127.0.0.1"] * group.nodes, master_port=master_port)
+        self.proc: subprocess.Popen | None = None
+        self.returncode: int | None = None
+        self.info = {"pid": None, "state": "starting", "returncode": None, "host": socket.gethostname(),
+                     "started": None, "ended": None}
+
+    def start(self, run: RunDir) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(component_command(self.group.module, str(run.root)),
+                                         env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.info.update(pid=self.proc.pid, state="running", started=time.time())
+        atomic_write_json(self.status_path, self.info)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.proc is not None:
+            rc = self.proc.poll()
+            if rc is not None:
+                self.returncode = rc
+                self.info.update(state="exited", returncode=rc, ended=time.time())
+                atomic_write_json(self.status_path, self.info)
+                self.kill_group(signal.SIGKILL)  # leftovers of an exited component
+        return self.returncode
+
+    def kill_group(self, sig: int) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class Supervisor:
+    def __init__(self, run: RunDir, attempt: int):
+        self.run, self.attempt = run, attempt
+        recipe = json.loads(run.recipe_json.read_text())
+        self.grace = float(recipe["deployment"]["grace_period_s"])
+        groups = [JobGroup.from_dict(g) for g in json.loads((run.configs / "groups.json").read_text())]
+        port = _free_port()
+        self.tasks = [Task(run, attempt, g, r, port) for g in groups for r in range(g.ntasks)]
+        self.cancelled = False
+        self.status = status_dir(run) / "supervisor.json"
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.cancelled = True
+
+    def _write(self, state: str, rc: int | None) -> None:
+        atomic_write_json(self.status, {"pid": os.getpid(), "state": state, "returncode": rc,
+                                        "attempt": self.attempt, "time": time.time()})
+
+    def log(self, msg: str) -> None:
+        print(f"[rlctl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    def stop_all(self) -> None:
+        live = [t for t in self.tasks if t.poll() is None]
+        for t in live:
+            t.kill_group(signal.SIGTERM)
+        deadline = time.time() + KILL_AFTER_S
+        while time.time() < deadline and any(t.poll() is None for t in live):
+            time.sleep(0.1)
+        for t in self.tasks:
+            t.kill_group(signal.SIGKILL)
+            if t.proc is not None:
+                t.proc.wait()
+            t.poll()
+
+    def run_all(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self._write("running", None)
+        for t in self.tasks:
+            t.start(self.run)
+        self.log(f"started {len(self.tasks)} tasks")
+        rc_final, deadline, seen = 0, None, set()
+        while True:
+            if self.cancelled:
+                self.log("cancelled: stopping every task")
+                self.stop_all()
+                self._write("cancelled", 143)
+                return 143
+            running = 0
+            for t in self.tasks:
+                rc = t.poll()
+                if rc is None:
+                    running += 1
+                    continue
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                self.log(f"{t.group.name} rank {t.rank} exited with code {rc}")
+                if rc != 0 and rc_final == 0:
+                    rc_final = rc if rc > 0 else 128 - rc
+                if deadline is None and (rc != 0 or t.group.name == "orchestrator"):
+                    deadline = time.time() + self.grace
+                    self.log(f"stopping the other tasks within {self.grace:g}s")
+            if running == 0:
+                break
+            if deadline is not None and time.time() >= deadline:
+                self.log("grace period over: terminating the remaining tasks")
+                self.stop_all()
+                break
+            time.sleep(0.2)
+        self.stop_all()  # also reaps process groups of tasks that exited on their own
+        self.log(f"done with code {rc_final}")
+        self._write("exited", rc_final)
+        return rc_final
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="rlctl local supervisor (started by `rlctl launch`)")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--attempt", type=int, default=0)
+    args = parser.parse_args(argv)
+    sup = Supervisor(RunDir(Path(args.run_dir)), args.attempt)
+    try:
+        return sup.run_all()
+    except BaseException:
+        sup.stop_all()
+        sup._write("exited", 1)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Unit tests of the launchers' pure parts: het script rendering, sacct row mapping, env contract."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rlctl.launchers.env import component_env, expand_nodelist, master_port_for
+from rlctl.launchers.groups import JobGroup, components
+from rlctl.launchers.hetjob import (HetInfoWatcher, combined_state, parse_component_rows, render_het_script,
+                                    strip_slurm_env)
+
+ORCH = JobGroup("orchestrator", 0, 1, 1, "rlctl.orchestrator", partition="cpu", cpus_per_task=4)
+INF = JobGroup("inference", 1, 2, 2, "rlctl.inference", gpus_per_node=8, partition="gpu", qos="high",
+               mem_gib=64)
+TR = JobGroup("trainer", 2, 3, 8, "rlctl.trainer", gpus_per_node=8, partition="gpu", account="rl",
+              constraint="h200", time_limit="1:00:00")
+
+
+def _script(groups, grace=7):
+    return render_het_script(groups, Path("/runs/r/submitit/attempt_0"), "/usr/bin/python3", job_name="rlctl-r",
+                             batch_log=Path("/runs/r/logs/attempt_0/slurm-%j.out"), grace_period_s=grace,
+                             env={"RLCTL_RUN_DIR": "/runs/r"})
+
+
+def _blocks(text: str) -> list[list[str]]:
+    header = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+    blocks, cur = [], []
+    for ln in header:
+        if ln == "#SBATCH hetjob":
+            blocks.append(cur)
+            cur = []
+        else:
+            cur.append(ln)
+    return blocks + [cur]
+
+
+def test_script_has_one_block_per_component_with_its_resources():
+    blocks = _blocks(_script([ORCH, INF, TR]))
+    assert len(blocks) == 3
+    assert "#SBATCH --partition=cpu" in blocks[0] and not any("gpus" in ln for ln in blocks[0])
+    assert {"#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --gpus-per-node=8",
+            "#SBATCH --qos=high", "#SBATCH --mem=64G"} <= set(blocks[1])
+    assert {"#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=8", "#SBATCH --account=rl",
+            "#SBATCH --constraint=h200", "#SBATCH --time=1:00:00"} <= set(blocks[2])
+
+
+def test_script_runs_one_srun_step_per_group_into_its_own_folder():
+    text = _script([ORCH, INF, TR], grace=7)
+    sruns = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+    assert len(sruns) == 3
+    for k, name in enumerate(["orchestrator", "inference", "trainer"]):
+        assert f"--het-group={k}" in sruns[k]
+        assert sruns[k].endswith(f"submitit.core._submit /runs/r/submitit/attempt_0/{name} &")
+    assert "GRACE=7" in text and "umask 077" in text
+
+
+def test_orchestrator_beside_inference_is_an_overlapping_step_not_a_component():
+    orch = JobGroup("orchestrator", 0, 1, 1, "m", shares_component=True)
+    inf = JobGroup("inference", 0, 2, 1, "m", gpus_per_node=8)
+    tr = JobGroup("trainer", 1, 1, 8, "m", gpus_per_node=8)
+    assert [[g.name for g in c] for c in components([orch, inf, tr])] == [["inference", "orchestrator"], ["trainer"]]
+    text = _script([orch, inf, tr])
+    assert len(_blocks(text)) == 2
+    orch_srun = next(ln for ln in text.splitlines() if ln.startswith("srun ") and "/orchestrator &" in ln)
+    assert "--het-group=0" in orch_srun and "--overlap" in orch_srun and "--ntasks=1" in orch_srun
+
+
+def test_script_is_valid_bash():
+    subprocess.run(["bash", "-n"], input=_script([ORCH, INF, TR]), text=True, check=True)
+
+
+def test_sacct_rows_map_to_components_and_the_leader():
+    sacct = "\n".join([
+        "JobID|State|NodeList|ExitCode",
+        "41+0|COMPLETED|node5|0:0", "41+0.batch|COMPLETED|node5|0:0", "41+0.0|COMPLETED|node5|0:0",
+        "41+1|RUNNING|node1|0:0", "41+1.0|RUNNING|node1|0:0",
+        "41+2|COMPLETED|node[2-3]|0:0",
+        "50|PENDING|None assigned|0:0",
+    ])
+    info = HetInfoWatcher().read_info(sacct)
+    assert info["41+1"]["State"] == "RUNNING" and info["41+2"]["NodeList"] == "node[2-3]"
+    assert info["41"]["State"] == "RUNNING"  # one component still runs → the job runs
+    assert info["50"]["State"] == "PENDING"  # plain jobs keep submitit's mapping
+    assert not any("." in k for k in info)
+
+
+def test_combined_state_prefers_failure_then_running():
+    assert combined_state(["COMPLETED", "FAILED", "RUNNING"]) == "FAILED"
+    assert combined_state(["CANCELLED by 0", "COMPLETED"]) == "CANCELLED"
+    assert combined_state(["COMPLETED", "PENDING"]) == "PENDING"
+    assert combined_state(["COMPLETED", "COMPLETED"]) == "COMPLETED"
+
+
+def test_component_rows_skip_steps_and_other_jobs():
+    rows = [["7+0", "RUNNING", "node5"], ["7+1", "PENDING", "(Resources)"], ["7+1.0", "RUNNING", "node1"],
+            ["8+0", "RUNNING", "node4"]]
+    assert parse_component_rows("7", rows) == {0: {"state": "RUNNING", "nodelist": "node5"},
+                                               1: {"state": "PENDING", "nodelist": None}}
+
+
+def test_inherited_slurm_variables_are_stripped_but_not_the_config_path():
+    env = {"SLURM_JOB_ID": "3", "SLURM_NTASKS": "4", "SLURM_CONF": "/etc/slurm/slurm.conf", "HOME": "/root"}
+    assert strip_slurm_env(env) == ["SLURM_JOB_ID", "SLURM_NTASKS"]
+
+
+def test_trainer_env_comes_from_its_group_nodes():
+    addrs = ["10.0.0.3", "10.0.0.4"]
+    envs = [component_env(run_dir="/r", attempt=1, group="trainer", rank=r, local_rank=r % 2, local_world_size=2,
+                          world_size=4, node_index=r // 2, node_addrs=addrs, master_port=master_port_for("123"))
+            for r in range(4)]
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.3"}
+    assert {e["MASTER_PORT"] for e in envs} == {str(master_port_for("123"))}
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert all(e["WORLD_SIZE"] == "4" and e["RLCTL_ATTEMPT"] == "1" for e in envs)
+
+
+def test_inference_env_binds_to_its_node_and_never_all_interfaces():
+    e = component_env(run_dir="/r", attempt=0, group="inference", rank=3, local_rank=1, local_world_size=2,
+                      world_size=4, node_index=1, node_addrs=["10.0.0.1", "10.0.0.2"], master_port=1)
+    assert e["RLCTL_SERVER_INDEX"] == "3" and e["RLCTL_BIND_HOST"] == "10.0.0.2"
+    assert "MASTER_ADDR" not in e
+
+
+@pytest.mark.parametrize("nodelist,expected", [
+    ("node[1-3]", ["node1", "node2", "node3"]),
+    ("gpu[07-08],cpu1", ["gpu07", "gpu08", "cpu1"]),
+    ("node5", ["node5"]),
+])
+def test_nodelist_expansion(nodelist, expected):
+    assert expand_nodelist(nodelist) == expected
