@@ -1,0 +1,271 @@
+"""The body of `rlctl.recipes.plan.plan`: validate degrees, resolve `auto`, run the three models."""
+from __future__ import annotations
+
+import math
+
+from rlctl.inference.plan import choose_tp, plan_inference
+from rlctl.launchers.hardware import gpu_spec
+from rlctl.launchers.placement import Placement
+from rlctl.recipes import calibration as C
+from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.models import get_model_spec
+from rlctl.trainer.plan import memory_breakdown, plan_trainer
+
+AUTO = "auto"
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def check_static(recipe, spec, profile) -> None:
+    """Impossible parallelism or node counts: one RecipeError naming the key."""
+    tr, inf, dep = recipe.trainer, recipe.inference, recipe.deployment
+    if isinstance(tr.ep, int) and tr.ep > 1:
+        if not spec.is_moe:
+            raise RecipeError(f"ep={tr.ep} but {spec.name} is a dense model (no experts); use ep = 1", key="trainer.ep")
+        if spec.n_routed_experts % tr.ep:
+            raise RecipeError(f"ep={tr.ep} must divide the {spec.n_routed_experts} experts of {spec.name}", key="trainer.ep")
+    if isinstance(tr.cp, int) and inf.max_model_len % tr.cp:
+        raise RecipeError(f"cp={tr.cp} must divide the sequence length inference.max_model_len={inf.max_model_len}", key="trainer.cp")
+    if isinstance(tr.tp, int) and tr.tp > 1:
+        if tr.tp > spec.num_key_value_heads or spec.num_key_value_heads % tr.tp:
+            raise RecipeError(f"tp={tr.tp} must divide the {spec.num_key_value_heads} KV heads of {spec.name} "
+                              "(the trainer does not replicate KV heads)", key="trainer.tp")
+    if isinstance(inf.tp, int) and inf.tp > 1:
+        if spec.num_attention_heads % inf.tp:
+            raise RecipeError(f"tp={inf.tp} must divide the {spec.num_attention_heads} attention heads of {spec.name}", key="inference.tp")
+        if not spec.is_mla and inf.tp > spec.num_key_value_heads and inf.tp % spec.num_key_value_heads:
+            raise RecipeError(f"tp={inf.tp} exceeds the {spec.num_key_value_heads} KV heads and is not a multiple "
+                              "of them (KV heads can only be replicated evenly)", key="inference.tp")
+        if profile.gpus_per_node and inf.tp > profile.gpus_per_node:
+            raise RecipeError(f"tp={inf.tp} exceeds the {profile.gpus_per_node} GPUs of a node", key="inference.tp")
+    pinned = [v for v in (dep.trainer_nodes, dep.inference_nodes) if v != AUTO]
+    if profile.scheduler != "local" and sum(pinned) > profile.nodes:  # local: one machine runs every group
+        raise RecipeError(f"trainer_nodes + inference_nodes = {sum(pinned)} but cluster {profile.name!r} has "
+                          f"{profile.nodes} nodes", key="deployment.trainer_nodes")
+    if dep.total_nodes is not None and not 2 <= dep.total_nodes <= profile.nodes:
+        raise RecipeError(f"total_nodes must be in 2..{profile.nodes} (the cluster size)", key="deployment.total_nodes")
+    dis = inf.disaggregation
+    if dis.enabled:
+        need = dis.prefill_replicas * dis.prefill_nodes_per_replica + dis.decode_replicas * dis.decode_nodes_per_replica
+        if dep.inference_nodes != AUTO and need > dep.inference_nodes:
+            raise RecipeError(f"prefill/decode replicas need {need} nodes but inference_nodes = {dep.inference_nodes}",
+                              key="inference.disaggregation")
+        if min(dis.prefill_replicas, dis.prefill_nodes_per_replica, dis.decode_replicas, dis.decode_nodes_per_replica) < 1:
+            raise RecipeError("replica and node counts must be >= 1", key="inference.disaggregation")
+
+
+def _trainer_degrees(recipe, spec, world: int, gpn: int):
+    tr = recipe.trainer
+    tp = tr.tp if tr.tp != AUTO else 1
+    if tr.ep != AUTO:
+        ep = tr.ep
+    elif spec.is_moe:
+        ep = max(e for e in _pow2_upto(max(1, min(gpn or 1, world))) if spec.n_routed_experts % e == 0)
+    else:
+        ep = 1
+    fsdp = None if tr.fsdp == AUTO else tr.fsdp
+    return tp, ep, fsdp
+
+
+def _trainer(recipe, spec, profile, gpu, nodes: int, tokens: int, mean_seq: int, warnings: list, errors: list):
+    tr, seq = recipe.trainer, recipe.inference.max_model_len
+    gpn = profile.gpus_per_node
+    world = nodes * gpn
+    tp, ep, fsdp = _trainer_degrees(recipe, spec, world, gpn)
+    model_ranks_base = tp * (fsdp or 1)
+    mem = lambda cp: memory_breakdown(spec, shard=(fsdp or world // (cp * tp)) * cp * tp, ep=ep, cp=cp, tp=tp,  # noqa: E731
+                                      seq_len=seq, micro_batch=tr.micro_batch_size,
+                                      activation_checkpointing=tr.activation_checkpointing,
+                                      optimizer_dtype=tr.optimizer_dtype)[0]["total"]
+    cands = [c for c in _pow2_upto(world) if seq % c == 0 and world % (c * model_ranks_base) == 0]
+    if tr.cp == AUTO:
+        cp = next((c for c in cands if mem(c) <= gpu.hbm_gib), cands[-1] if cands else 1)
+    else:
+        cp = tr.cp
+    used = (fsdp or 1) * cp * tp
+    if fsdp and world % used:
+        errors.append(f"trainer.fsdp: fsdp × cp × tp = {used} must divide the {world} trainer GPUs")
+        return None
+    if used > world or (ep > max(1, (fsdp or world // (cp * tp)) * cp * tp)):
+        errors.append(f"trainer: fsdp × cp × tp = {used} (ep {ep}) exceeds the {world} trainer GPUs; "
+                      "add trainer nodes or lower the degrees")
+        return None
+    p = plan_trainer(spec, tr, gpus=world, gpus_per_node=gpn, gpu=gpu, seq_len=seq, tokens_per_step=tokens,
+                     mean_seq=mean_seq, inter_gbps=profile.interconnect_gbps, intra_gbps=profile.intra_node_gbps,
+                     ep=ep, cp=cp, tp=tp, fsdp=fsdp)
+    if not p.fits:
+        better = next((c for c in cands if c > cp and mem(c) <= gpu.hbm_gib), None)
+        msg = f"trainer needs {p.memory_gib_per_gpu:.0f} GiB/GPU at cp={cp} (GPU has {gpu.hbm_gib:.0f} GiB)"
+        if better:
+            msg += f"; cp={better} needs {mem(better):.0f} GiB — set trainer.cp={better}"
+        elif not tr.activation_checkpointing:
+            msg += "; set trainer.activation_checkpointing=true"
+        elif tr.optimizer_dtype == "float32":
+            msg += "; set trainer.optimizer_dtype=\"bfloat16\" or add trainer nodes"
+        else:
+            msg += "; add trainer nodes"
+        errors.append(msg)
+    warnings.extend(p.notes)
+    return p
+
+
+def _inference(recipe, spec, profile, gpu, nodes: int, rollouts: int, mean: int, completion: int, in_flight: int):
+    inf = recipe.inference
+    gpn = profile.gpus_per_node
+    tp = inf.tp if inf.tp != AUTO else choose_tp(spec, inf.fp8, gpu, inf.gpu_memory_utilization, gpn, inf.ep)
+    dp = inf.dp if inf.dp != AUTO else max(1, gpn // tp)
+    return plan_inference(spec, inf, nodes=nodes, gpus_per_node=gpn, gpu=gpu, rollouts=rollouts, mean_tokens=mean,
+                          completion_tokens=completion, max_in_flight=in_flight, tp=tp, dp=dp)
+
+
+def _async_step(trainer_s: float, rollout_s: float, max_off_policy: int) -> float:
+    """Steady-state step: with ≥ 1 step of allowed staleness the two sides overlap fully and the slower
+    one sets the pace; at 0 (synchronous RL) they alternate."""
+    return max(trainer_s, rollout_s) if max_off_policy >= 1 else trainer_s + rollout_s
+
+
+def _split_candidates(recipe, profile) -> list[tuple[int, int]]:
+    dep, dis = recipe.deployment, recipe.inference.disaggregation
+    total = dep.total_nodes or profile.nodes
+    min_inf = (dis.prefill_replicas * dis.prefill_nodes_per_replica
+               + dis.decode_replicas * dis.decode_nodes_per_replica) if dis.enabled else 1
+    if dep.trainer_nodes != AUTO and dep.inference_nodes != AUTO:
+        return [(dep.trainer_nodes, dep.inference_nodes)]
+    if dep.trainer_nodes != AUTO:
+        return [(dep.trainer_nodes, max(min_inf, total - dep.trainer_nodes))]
+    if dep.inference_nodes != AUTO:
+        return [(max(1, total - dep.inference_nodes), dep.inference_nodes)]
+    if dis.enabled:
+        return [(max(1, total - min_inf), min_inf)]
+    return [(t, total - t) for t in range(1, total)]
+
+
+def _evaluate(recipe, spec, profile, gpu, t_nodes, i_nodes, shape):
+    errors, warnings = [], []
+    rollouts, mean, completion, in_flight, tokens = shape
+    tp_ = _trainer(recipe, spec, profile, gpu, t_nodes, tokens, mean, warnings, errors)
+    ip = _inference(recipe, spec, profile, gpu, i_nodes, rollouts, mean, completion, in_flight)
+    return tp_, ip, errors, warnings
+
+
+def _score(tp_, ip, off):
+    if tp_ is None or not tp_.fits or not ip.fits:
+        return math.inf
+    return _async_step(tp_.step_time_s, ip.rollout_step_time_s, off)
+
+
+def _search(recipe, spec, profile, gpu, shape):
+    """Best split: trainer time falls and rollout time rises with trainer nodes, so the async step
+    (their max) is unimodal; bisect for the crossing, then check its neighbours."""
+    cands = _split_candidates(recipe, profile)
+    off = recipe.orchestrator.max_off_policy_steps
+    ev = lambda c: _evaluate(recipe, spec, profile, gpu, c[0], c[1], shape)  # noqa: E731
+    if len(cands) <= 3:
+        return cands[0] if len(cands) == 1 else min(cands, key=lambda c: _score(*ev(c)[:2], off))
+    lo, hi = 0, len(cands) - 1
+    while hi - lo > 2:
+        mid = (lo + hi) // 2
+        tp_, ip, _, _ = ev(cands[mid])
+        if tp_ is None or not tp_.fits or (ip.fits and tp_.step_time_s > ip.rollout_step_time_s):
+            lo = mid  # trainer-bound or does not fit: give the trainer more nodes
+        else:
+            hi = mid
+    window = cands[max(0, lo - 1): hi + 2]
+    return min(window, key=lambda c: _score(*ev(c)[:2], off))
+
+
+def _cpu_report(recipe, spec, profile, shape, errors, warnings):
+    from rlctl.recipes.plan import compute_placement
+
+    placement = compute_placement(recipe, profile)
+    rollouts, mean, completion, in_flight, tokens = shape
+    ranks = placement.trainer_ranks_per_node * placement.trainer_nodes
+    mem, _ = memory_breakdown(spec, shard=ranks, ep=1, cp=1, tp=1, seq_len=recipe.inference.max_model_len,
+                              micro_batch=recipe.trainer.micro_batch_size,
+                              activation_checkpointing=recipe.trainer.activation_checkpointing,
+                              optimizer_dtype=recipe.trainer.optimizer_dtype)
+    mem = {k: v for k, v in mem.items() if k != "reserved"}
+    mem["total"] = round(sum(v for k, v in mem.items() if k != "total"), 3)
+    budget = profile.mem_gib_per_node / max(1, ranks)
+    if mem["total"] > budget:
+        errors.append(f"trainer needs {mem['total']:.1f} GiB per rank but a rank gets {budget:.1f} GiB of host memory")
+    trainer_s = tokens / C.CPU_TRAIN_TOKENS_PER_S
+    rollout_s = rollouts * completion / C.CPU_DECODE_TOKENS_PER_S
+    trainer = {"gpus": 0, "ranks": ranks, "fsdp": ranks, "ep": 1, "cp": 1, "tp": 1, "memory_gib": mem,
+               "memory_gib_per_gpu": mem["total"], "step_time_s": trainer_s, "tokens_per_s": C.CPU_TRAIN_TOKENS_PER_S,
+               "tokens_per_step": tokens}
+    inference = {"gpus": 0, "tp": 1, "servers": placement.inference_servers, "decode_tokens_per_s": C.CPU_DECODE_TOKENS_PER_S,
+                 "rollout_step_time_s": rollout_s, "max_concurrent_rollouts": in_flight,
+                 "kv_cache_gib_per_gpu": recipe.inference.kv_cache_gib_cpu, "completion_tokens": completion}
+    return placement, trainer, inference, trainer_s, rollout_s
+
+
+def build_report(recipe, profile):
+    from rlctl.recipes.plan import PlanReport
+
+    spec = get_model_spec(recipe.model.name)
+    check_static(recipe, spec, profile)
+    o = recipe.orchestrator
+    mean = min(o.mean_tokens, recipe.inference.max_model_len)
+    completion = min(o.max_tokens, mean)
+    in_flight = o.max_in_flight or 2 * o.rollouts_per_step
+    shape = (o.rollouts_per_step, mean, completion, in_flight, o.rollouts_per_step * mean)
+    errors: list[str] = []
+    warnings: list[str] = []
+    if o.max_tokens > recipe.inference.max_model_len:
+        warnings.append(f"orchestrator.max_tokens={o.max_tokens} exceeds inference.max_model_len="
+                        f"{recipe.inference.max_model_len}; rollouts will be truncated")
+    if profile.gpus_per_node == 0:
+        placement, trainer, inference, trainer_s, rollout_s = _cpu_report(recipe, spec, profile, shape, errors, warnings)
+    else:
+        gpu = gpu_spec(profile.gpu)
+        t_nodes, i_nodes = _search(recipe, spec, profile, gpu, shape)
+        tp_, ip, errs, warns = _evaluate(recipe, spec, profile, gpu, t_nodes, i_nodes, shape)
+        errors += errs
+        warnings += warns
+        if not ip.fits:
+            errors.append("inference: " + ("; ".join(ip.notes) or "no KV cache left") + " — raise inference.tp or use fp8")
+        else:
+            warnings += ip.notes
+        gpn = profile.gpus_per_node
+        placement = Placement(trainer_nodes=t_nodes, inference_nodes=i_nodes, trainer_ranks_per_node=gpn,
+                              inference_servers_per_node=max(1, gpn // ip.tp), inference_gpus_per_server=min(ip.tp, gpn),
+                              orchestrator=_site(recipe, profile))
+        trainer = tp_.to_json() if tp_ else {"step_time_s": None, "tokens_per_s": None, "memory_gib_per_gpu": None}
+        inference = ip.to_json()
+        trainer_s = tp_.step_time_s if tp_ else math.inf
+        rollout_s = ip.rollout_step_time_s
+    step = _async_step(trainer_s, rollout_s, o.max_off_policy_steps)
+    bottleneck = "inference" if rollout_s >= trainer_s else "trainer"
+    other = trainer_s if bottleneck == "inference" else rollout_s
+    orchestrator = {"step_time_s": _finite(step), "trainer_step_time_s": _finite(trainer_s),
+                    "rollout_step_time_s": _finite(rollout_s), "max_off_policy_steps": o.max_off_policy_steps,
+                    "idle_fraction": {("trainer" if bottleneck == "inference" else "inference"):
+                                      round(1 - other / step, 3) if math.isfinite(step) and step > 0 else None},
+                    "max_in_flight": in_flight, "mean_tokens": mean, "completion_tokens": completion}
+    nodes_used = placement.trainer_nodes + placement.inference_nodes
+    if profile.scheduler != "local" and nodes_used > profile.nodes:
+        errors.append(f"deployment: the plan needs {nodes_used} nodes but {profile.name!r} has {profile.nodes}")
+    groups = [{"name": "orchestrator", "nodes": 1 if placement.orchestrator == "cpu_partition" else 0,
+               "where": placement.orchestrator},
+              {"name": "inference", "nodes": placement.inference_nodes, "ntasks_per_node": placement.inference_servers_per_node},
+              {"name": "trainer", "nodes": placement.trainer_nodes, "ntasks_per_node": placement.trainer_ranks_per_node}]
+    return PlanReport(recipe=recipe.name, profile=profile.name, model=spec.name, placement=placement, groups=groups,
+                      trainer=trainer, inference=inference, orchestrator=orchestrator, bottleneck=bottleneck,
+                      fits=not errors, errors=errors, warnings=warnings)
+
+
+def _finite(x: float):
+    return x if math.isfinite(x) else None
+
+
+def _site(recipe, profile) -> str:
+    from rlctl.recipes.plan import _orchestrator_site
+
+    return _orchestrator_site(recipe, profile)
