@@ -47,6 +47,8 @@ class InferenceConfig(StrictModel):
     """All-to-all backend for expert parallelism (DeepEP kernels need the `deep_ep` extra)."""
     fp8: bool = False
     """Serve with FP8 weights (quantization='fp8')."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weight/activation dtype of the servers ('auto': the model's config.json dtype)."""
     max_model_len: int = 4096
     """Maximum tokens per sequence (prompt + completion); also the trainer's sequence length."""
     gpu_memory_utilization: float = 0.9
@@ -55,6 +57,8 @@ class InferenceConfig(StrictModel):
     """On CPU: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile (faster start-up, slower decode)."""
+    startup_timeout_s: float = 900.0
+    """Seconds a server may take to become healthy before the run fails with its log tail."""
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     """Prefill/decode disaggregation."""
     kv_offload: KVOffloadConfig = KVOffloadConfig()
@@ -70,6 +74,13 @@ class InferenceConfig(StrictModel):
     def _len(cls, v: int) -> int:
         if v < 16:
             raise ValueError("max_model_len must be >= 16")
+        return v
+
+    @field_validator("startup_timeout_s")
+    @classmethod
+    def _timeout(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("startup_timeout_s must be > 0")
         return v
 
     @field_validator("gpu_memory_utilization")

@@ -1,0 +1,187 @@
+"""`python -m rlctl.inference --run-dir DIR`: run one vLLM server of the run and supervise it.
+
+Reads the resolved recipe and placement from the run dir and `RLCTL_SERVER_INDEX` / `RLCTL_BIND_HOST`
+from the environment, starts the server as a child (its own process group, output copied to our
+stdout), announces it once healthy, and exits when it dies (non-zero), when `<run>/DONE` appears
+(exit 0) or on SIGTERM/SIGINT — always taking the server's whole process group down with it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rlctl.inference.router import stop_process_group
+from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
+                                   render_server_command, server_env)
+from rlctl.launchers.placement import Placement
+from rlctl.launchers.rundir import RunDir
+from rlctl.recipes.errors import RecipeError
+
+LOG_TAIL_LINES = 40
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if this supervisor dies without cleaning up (Linux), so no orphans."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _placement(run: RunDir) -> Placement:
+    path = run.configs / "placement.json"
+    if path.exists():
+        return Placement.from_dict(json.loads(path.read_text()))
+    return Placement(1, 1, 1, 1, 0, "inference_node")
+
+
+def resolve_model_dir(recipe, run: RunDir) -> str:
+    """The checkpoint the server loads first: the built tiny model, a local HF dir, or a hub id."""
+    name = recipe.model.name
+    if name == "tiny-qwen3":
+        from rlctl.trainer.tiny_model import build_tiny_model  # no-op when the launcher built it
+
+        return str(build_tiny_model(run.model, recipe.model.build_seed))
+    path = Path(name).expanduser()
+    if path.is_file() and path.name == "config.json":
+        return str(path.parent)
+    return str(path) if path.is_dir() else name
+
+
+def _dp_master(run: RunDir, host: str, index: int, dp: int, timeout_s: float) -> tuple[str, int]:
+    """Rank 0 of each expert-parallel DP group publishes (host, rpc port); the other ranks read it."""
+    group, rank = index // dp, index % dp
+    if rank == 0:
+        master = {"host": host, "port": free_port(host)}
+        run.announce("dp_master", str(group), master)
+        return master["host"], master["port"]
+    path = run.services / "dp_master" / f"{group}.json"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"DP group {group}: rank 0 never announced its address ({path})")
+        time.sleep(1)
+    master = json.loads(path.read_text())
+    return master["host"], int(master["port"])
+
+
+def _pump(stream, tail: collections.deque) -> None:
+    """Copy the server's output to our stdout (the launcher's log) and keep the last lines."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        tail.append(line)
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _fail(message: str, tail: collections.deque | None = None) -> int:
+    text = f"rlctl.inference: {message}"
+    if tail:
+        text += f"\n--- last {len(tail)} lines of the server log ---\n" + "".join(tail).rstrip()
+    print(text, file=sys.stderr, flush=True)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlctl.inference", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", default=os.environ.get("RLCTL_RUN_DIR"), help="the run directory")
+    args = parser.parse_args(argv)
+    if not args.run_dir:
+        return _fail("--run-dir (or RLCTL_RUN_DIR) is required")
+    run = RunDir(Path(args.run_dir))
+    index = int(os.environ.get("RLCTL_SERVER_INDEX", "0"))
+    host = os.environ.get("RLCTL_BIND_HOST", "127.0.0.1")
+    if host in ("0.0.0.0", "::"):
+        return _fail(f"RLCTL_BIND_HOST={host}: bind to the node's own address, not a wildcard")
+    try:
+        recipe = run.load_recipe()
+        placement = _placement(run)
+        target = "gpu" if placement.inference_gpus_per_server > 0 else "cpu"
+        token = run.admin_token()
+        model_dir = resolve_model_dir(recipe, run)
+        check_model_for_target(model_dir, target)
+        dp_master = None
+        if target == "gpu" and recipe.inference.ep and data_parallel(recipe, placement) > 1:
+            dp = data_parallel(recipe, placement)
+            dp_master = _dp_master(run, host, index, dp, recipe.inference.startup_timeout_s)
+        port = free_port(host)
+        cmd = render_server_command(recipe, placement, target, model_dir=model_dir, host=host, port=port,
+                                    server_index=index, dp_master=dp_master)
+    except (RecipeError, FileNotFoundError, RuntimeError, ValueError) as e:
+        return _fail(str(e))
+    env = {**os.environ, **server_env(recipe, target, run.root, token)}
+    for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
+        Path(env[key]).mkdir(parents=True, exist_ok=True)
+    print(f"rlctl.inference[{index}]: starting ({target}): {format_command(cmd)}", flush=True)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    tail: collections.deque = collections.deque(maxlen=LOG_TAIL_LINES)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True)
+    pump.start()
+    url = f"http://{host}:{port}"
+    try:
+        return _supervise(run, proc, url, index, host, recipe, stop, started, tail)
+    finally:
+        stop_process_group(proc)
+        pump.join(timeout=5)
+        (run.services / "inference" / f"{index}.json").unlink(missing_ok=True)
+
+
+def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
+    deadline = started + recipe.inference.startup_timeout_s
+    while not _healthy(url):
+        if proc.poll() is not None:
+            time.sleep(0.5)  # let the pump catch the last lines
+            return _fail(f"server {index} exited with code {proc.returncode} before becoming ready", tail)
+        if stop.is_set():
+            return 143
+        if time.monotonic() > deadline:
+            return _fail(f"server {index} not healthy after {recipe.inference.startup_timeout_s:.0f} s at {url}", tail)
+        time.sleep(0.5)
+    startup_s = time.monotonic() - started
+    run.announce("inference", str(index), {
+        "url": url, "index": index, "pid": proc.pid, "host": host, "startup_s": round(startup_s, 2),
+        # It serves the initial model; the orchestrator reloads the newest published step into it.
+        "weights_step": None,
+    })
+    print(f"rlctl.inference[{index}]: ready at {url} after {startup_s:.1f} s", flush=True)
+    done = run.root / "DONE"
+    while True:
+        if done.exists():
+            print(f"rlctl.inference[{index}]: run finished, stopping the server", flush=True)
+            return 0
+        if stop.is_set():
+            print(f"rlctl.inference[{index}]: stop requested, stopping the server", flush=True)
+            return 143
+        if proc.poll() is not None:
+            time.sleep(0.5)
+            return _fail(f"server {index} died with code {proc.returncode}", tail) or 1
+        time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

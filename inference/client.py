@@ -1,0 +1,193 @@
+"""Async HTTP client for the vLLM servers (and the router): completions with logprobs, admin routes.
+
+Every request carries `Authorization: Bearer <run admin token>`: the servers guard `/v1` and the
+admin routes with it (see `auth.py`). Weight reloads go to every server directly — the router would
+forward an unknown route to only one backend.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from rlctl.inference.server import SERVED_MODEL_NAME
+
+RELOAD_METHOD = "rlctl_reload"  # ReloadExtension method run on every worker via /collective_rpc
+
+
+class InferenceError(RuntimeError):
+    """A server answered with an error (or not at all); the message names the server and route."""
+
+
+def policy_cache_salt(version: int) -> str:
+    """Prefix-cache salt for requests started under policy `version`: KV computed under another
+    policy is never reused for them, while requests of the same version still share prefixes."""
+    return f"rlctl-policy-{version}"
+
+
+@dataclass
+class Sample:
+    """One sampled completion: its token ids with the sampler's log-probability of each."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+
+
+def parse_samples(response: dict) -> list[Sample]:
+    """Samples of a `/v1/completions` response made by `complete()` (which asks for token ids and
+    `logprobs=0`, i.e. only the sampled token's logprob per position)."""
+    out = []
+    for choice in sorted(response["choices"], key=lambda c: c["index"]):
+        lp = choice.get("logprobs") or {}
+        out.append(Sample(list(choice.get("token_ids") or []), [float(x) for x in lp.get("token_logprobs") or []],
+                          choice.get("text", ""), choice.get("finish_reason")))
+    return out
+
+
+def prompt_logprobs_of(response: dict, choice: int = 0) -> list[float | None]:
+    """Per prompt token, the logprob of the actual prompt token (None for the first position)."""
+    c = response["choices"][choice]
+    ids, entries = c["prompt_token_ids"], c["prompt_logprobs"]
+    return [None if e is None else float(e[str(tok)]["logprob"] if str(tok) in e else e[tok]["logprob"])
+            for tok, e in zip(ids, entries)]
+
+
+@dataclass
+class InferenceClient:
+    """One vLLM server (or the router, for completions only)."""
+
+    url: str
+    token: str
+    timeout_s: float = 600.0
+    _http: httpx.AsyncClient | None = field(default=None, repr=False)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                base_url=self.url, timeout=self.timeout_s, headers={"Authorization": f"Bearer {self.token}"},
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def _request(self, method: str, route: str, **kw) -> httpx.Response:
+        try:
+            resp = await self.http.request(method, route, **kw)
+        except httpx.HTTPError as e:
+            raise InferenceError(f"{self.url}{route}: {type(e).__name__}: {e}") from e
+        if resp.status_code >= 400:
+            raise InferenceError(f"{self.url}{route}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp
+
+    async def health(self) -> bool:
+        try:
+            return (await self.http.get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def wait_healthy(self, timeout_s: float, interval_s: float = 0.5) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise InferenceError(f"{self.url}: not healthy after {timeout_s:.0f} s")
+            await asyncio.sleep(interval_s)
+
+    async def pause(self, mode: str = "keep") -> None:
+        """'keep' freezes in-flight requests (they continue after `resume` under the new weights);
+        'wait' drains them first; 'abort' drops them. On CPU avoid per-request seeds with 'keep'."""
+        await self._request("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
+
+    async def collective_rpc(self, method: str, args: list[str] | None = None) -> list:
+        resp = await self._request("POST", "/collective_rpc", json={"method": method, "args": args or []})
+        return resp.json().get("results", []) if resp.content else []
+
+    async def reload(self, step_dir: str) -> dict:
+        """Reload weights in place on every worker of this server; returns the slowest worker's timing."""
+        start = time.perf_counter()
+        results = await self.collective_rpc(RELOAD_METHOD, [str(step_dir)])
+        if not results or not all(isinstance(r, dict) for r in results):
+            raise InferenceError(f"{self.url}/collective_rpc: unexpected reload result {results!r:.300}")
+        slowest = max(results, key=lambda r: r["total_s"])
+        return {**slowest, "workers": len(results), "rpc_s": time.perf_counter() - start}
+
+    async def complete(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        n: int = 1,
+        cache_salt: str | None = None,
+        prompt_logprobs: int | None = None,
+        stop: list[str] | None = None,
+        extra: dict | None = None,
+    ) -> dict:
+        """POST /v1/completions asking for sampled-token logprobs and token ids (see `parse_samples`)."""
+        body = {
+            "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "top_p": top_p, "n": n, "logprobs": 0, "return_token_ids": True,
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
+        if stop:
+            body["stop"] = stop
+        body.update(extra or {})
+        return (await self._request("POST", "/v1/completions", json=body)).json()
+
+
+async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: str = "keep") -> dict:
+    """Pause every server, reload each in place from `step_dir`, resume them all (even on failure).
+
+    Returns seconds per phase: {"pause_s", "reload_s", "resume_s", "total_s", "load_s_max", "servers"}.
+    """
+    t0 = time.perf_counter()
+    await asyncio.gather(*(s.pause(pause_mode) for s in servers))
+    t1 = time.perf_counter()
+    try:
+        results = await asyncio.gather(*(s.reload(step_dir) for s in servers))
+        t2 = time.perf_counter()
+    finally:
+        resumed = await asyncio.gather(*(s.resume() for s in servers), return_exceptions=True)
+    t3 = time.perf_counter()
+    failed = [f"{s.url}: {r}" for s, r in zip(servers, resumed) if isinstance(r, BaseException)]
+    if failed:
+        raise InferenceError("resume failed after reload: " + "; ".join(failed))
+    return {"pause_s": t1 - t0, "reload_s": t2 - t1, "resume_s": t3 - t2, "total_s": t3 - t0,
+            "load_s_max": max(r["total_s"] for r in results), "servers": len(servers)}
+
+
+def measure_inplace_reload(urls: list[str], token: str, step_dir: str, pause_mode: str = "keep") -> dict:
+    """Synchronous entry for benchmarks: one pause → reload → resume round on running servers."""
+
+    async def _run() -> dict:
+        clients = [InferenceClient(u, token) for u in urls]
+        try:
+            return await reload_all(clients, step_dir, pause_mode)
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    return asyncio.run(_run())

@@ -1,0 +1,217 @@
+"""Render the vLLM OpenAI-server command line (and its environment) from the recipe.
+
+Pure functions: `rlctl launch --dry-run` prints the result, `python -m rlctl.inference` runs it.
+GPU-only features are validated for every target, but rendered only for GPU targets; a CPU target
+asking for one fails with a one-line RecipeError.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Callable, Literal
+
+from rlctl.recipes.errors import RecipeError
+
+Target = Literal["cpu", "gpu"]
+SERVED_MODEL_NAME = "policy"  # requests use this name whatever the checkpoint is called
+TOKEN_ENV = "VLLM_API_KEY"  # vLLM reads it for /v1, our middleware for the admin routes
+WORKER_EXTENSION = "rlctl.inference.worker_ext.ReloadExtension"
+AUTH_MIDDLEWARE = "rlctl.inference.auth.AdminAuthMiddleware"
+_CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
+_DEEPEP_BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
+
+
+def _module_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def gpu_only_features(recipe) -> list[tuple[str, str]]:
+    """(recipe key, what it is) for every GPU-only feature the recipe turns on."""
+    inf = recipe.inference
+    found = []
+    if inf.fp8:
+        found.append(("inference.fp8", "FP8 serving"))
+    if inf.ep:
+        found.append(("inference.ep", "expert parallelism"))
+    if inf.all2all_backend != "auto":
+        found.append(("inference.all2all_backend", f"the {inf.all2all_backend} all-to-all backend"))
+    if inf.disaggregation.enabled:
+        found.append(("inference.disaggregation.enabled", "prefill/decode disaggregation"))
+    if inf.kv_offload.tier != "none":
+        found.append(("inference.kv_offload.tier", f"KV-cache offload to {inf.kv_offload.tier}"))
+    return found
+
+
+def validate_features(recipe, target: Target, has_module: Callable[[str], bool] = _module_available) -> None:
+    """Raise RecipeError (one line naming the key) if the recipe cannot be served on `target`."""
+    if target not in ("cpu", "gpu"):
+        raise RecipeError(f"unknown inference target {target!r} (allowed: cpu, gpu)")
+    inf = recipe.inference
+    features = gpu_only_features(recipe)
+    if target == "cpu" and features:
+        key, what = features[0]
+        raise RecipeError(f"{what} needs GPUs; this run's inference target is CPU (set it off or use a GPU profile)", key)
+    if inf.all2all_backend != "auto" and not inf.ep:
+        raise RecipeError("an all-to-all backend only applies with expert parallelism (set inference.ep = true)",
+                          "inference.all2all_backend")
+    if inf.all2all_backend in _DEEPEP_BACKENDS and not has_module("deep_ep"):
+        raise RecipeError(f"{inf.all2all_backend} needs the `deep_ep` package (DeepEP kernels; the site's GPU "
+                          "extra); install it or choose all2all_backend = 'naive'", "inference.all2all_backend")
+    if inf.kv_offload.tier == "cpu" and inf.kv_offload.cpu_gib <= 0:
+        raise RecipeError("KV offload to cpu needs inference.kv_offload.cpu_gib > 0", "inference.kv_offload.cpu_gib")
+    if inf.disaggregation.enabled and inf.disaggregation.kv_connector == "nixl" and not has_module("nixl"):
+        raise RecipeError("the nixl KV connector needs the `nixl` package (the site's GPU extra)",
+                          "inference.disaggregation.kv_connector")
+    if (inf.kv_offload.tier == "mooncake" or inf.disaggregation.kv_connector == "mooncake" and
+            inf.disaggregation.enabled) and not has_module("mooncake"):
+        raise RecipeError("Mooncake needs the `mooncake-transfer-engine` package (the site's GPU extra)",
+                          "inference.kv_offload.tier" if inf.kv_offload.tier == "mooncake"
+                          else "inference.disaggregation.kv_connector")
+
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM CPU attention kernels
+
+
+def check_model_for_target(model_dir: str | Path, target: Target) -> None:
+    """Catch models the target's kernels reject before a 1-minute start-up ends in a crash."""
+    config_path = Path(model_dir) / "config.json"
+    if target != "cpu" or not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim not in CPU_HEAD_SIZES:
+        raise RecipeError(f"{model_dir}: head_dim {head_dim} is not supported by vLLM's CPU attention "
+                          f"(supported: {', '.join(map(str, CPU_HEAD_SIZES))})", "model.name")
+
+
+def tensor_parallel(recipe, placement) -> int:
+    tp = recipe.inference.tp
+    if isinstance(tp, int):
+        return tp
+    return max(1, placement.inference_gpus_per_server)
+
+
+def data_parallel(recipe, placement) -> int:
+    """Size of a DP group that shares one expert-parallel MoE (1 when servers are independent)."""
+    dp = recipe.inference.dp
+    if isinstance(dp, int):
+        return dp
+    return placement.inference_servers if recipe.inference.ep else 1
+
+
+def pd_role(recipe, placement, server_index: int) -> str | None:
+    """'kv_producer' for the first (prefill) servers, 'kv_consumer' for the rest, None without P/D."""
+    dis = recipe.inference.disaggregation
+    if not dis.enabled:
+        return None
+    prefill_servers = dis.prefill_replicas * dis.prefill_nodes_per_replica * placement.inference_servers_per_node
+    return "kv_producer" if server_index < prefill_servers else "kv_consumer"
+
+
+def kv_transfer_config(recipe, role: str | None) -> dict | None:
+    """The `--kv-transfer-config` JSON: P/D connector, Mooncake store tier, or both via MultiConnector."""
+    inf = recipe.inference
+    connectors = []
+    if role is not None:
+        connectors.append({"kv_connector": _CONNECTORS[inf.disaggregation.kv_connector], "kv_role": role})
+    if inf.kv_offload.tier == "mooncake":
+        connectors.append({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"})
+    if not connectors:
+        return None
+    if len(connectors) == 1:
+        return connectors[0]
+    return {"kv_connector": "MultiConnector", "kv_role": role,
+            "kv_connector_extra_config": {"connectors": connectors}}
+
+
+def render_server_command(
+    recipe,
+    placement,
+    target: Target,
+    *,
+    model_dir: str | Path,
+    host: str,
+    port: int,
+    server_index: int = 0,
+    dp_master: tuple[str, int] | None = None,
+    python: str = sys.executable,
+    has_module: Callable[[str], bool] = _module_available,
+) -> list[str]:
+    """The full argv of one vLLM server. Never contains the admin token (see `server_env`).
+
+    `dp_master` (host, rpc port) of the DP group's rank 0 is needed only for GPU expert parallelism
+    with a DP group larger than one server.
+    """
+    validate_features(recipe, target, has_module)
+    inf = recipe.inference
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", inf.dtype,
+        "--max-model-len", str(inf.max_model_len),
+        "--tensor-parallel-size", str(tensor_parallel(recipe, placement)),
+        # RL samples with the recipe's parameters, not the checkpoint's generation_config.json.
+        "--generation-config", "vllm",
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--middleware", AUTH_MIDDLEWARE,
+    ]
+    if inf.enforce_eager:
+        cmd.append("--enforce-eager")
+    if target == "cpu":
+        return cmd
+    cmd += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
+    if inf.fp8:
+        cmd += ["--quantization", "fp8"]
+    if inf.ep:
+        cmd.append("--enable-expert-parallel")
+        if inf.all2all_backend != "auto":
+            cmd += ["--all2all-backend", inf.all2all_backend]
+        dp = data_parallel(recipe, placement)
+        if dp > 1:
+            if dp_master is None:
+                raise ValueError("expert parallelism over a DP group needs dp_master=(host, rpc_port)")
+            cmd += ["--data-parallel-size", str(dp), "--data-parallel-rank", str(server_index % dp),
+                    "--data-parallel-address", dp_master[0], "--data-parallel-rpc-port", str(dp_master[1])]
+    transfer = kv_transfer_config(recipe, pd_role(recipe, placement, server_index))
+    if transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    if inf.kv_offload.tier == "cpu":
+        cmd += ["--kv-offloading-size", str(inf.kv_offload.cpu_gib), "--kv-offloading-backend", "native"]
+    return cmd
+
+
+def server_env(recipe, target: Target, run_root: Path, token: str) -> dict[str, str]:
+    """Environment additions of a server process: token, caches inside the run dir, offline hub."""
+    cache = Path(run_root) / "cache"
+    env = {
+        TOKEN_ENV: token,
+        "VLLM_SERVER_DEV_MODE": "1",  # exposes /collective_rpc, which the in-place reload uses
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TMPDIR": str(cache / "tmp"),
+        # Per-request stats and prompts must not end up in logs on the shared filesystem.
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    if target == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(recipe.inference.kv_cache_gib_cpu)))
+    return env
+
+
+def format_command(cmd: list[str]) -> str:
+    """Shell-quoted command line for logs and `--dry-run` (safe: argv never holds the token)."""
+    return shlex.join(cmd)
+
+
+def free_port(host: str) -> int:
+    """A port the OS reports free on `host` (the server binds it moments later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,153 @@
+"""Rendering of the vLLM server and router command lines for CPU and GPU targets (no processes started)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlctl.inference.router import render_router_command
+from rlctl.inference.server import (
+    TOKEN_ENV,
+    check_model_for_target,
+    format_command,
+    render_server_command,
+    server_env,
+)
+from rlctl.launchers.placement import Placement
+from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.load import load_recipe
+
+CPU = Placement(1, 1, 2, 1, 0, "inference_node")
+GPU = Placement(2, 2, 8, 8, 1, "cpu_partition")
+TOKEN = "s3cret-token-value"
+
+
+def recipe(*overrides: str):
+    return load_recipe(["tiny-cpu"], list(overrides))
+
+
+def render(r, placement, target, **kw):
+    kw.setdefault("has_module", lambda name: True)
+    return render_server_command(r, placement, target, model_dir="/models/m", host="10.0.0.5", port=8123, **kw)
+
+
+def flag(cmd: list[str], name: str) -> str:
+    assert name in cmd, f"{name} missing from {cmd}"
+    return cmd[cmd.index(name) + 1]
+
+
+def test_cpu_command_has_model_host_port_and_reload_extension():
+    cmd = render(recipe(), CPU, "cpu")
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(cmd, "--model") == "/models/m"
+    assert flag(cmd, "--host") == "10.0.0.5" and flag(cmd, "--port") == "8123"
+    assert flag(cmd, "--max-model-len") == "64"
+    assert flag(cmd, "--tensor-parallel-size") == "1"
+    assert flag(cmd, "--worker-extension-cls") == "rlctl.inference.worker_ext.ReloadExtension"
+    assert flag(cmd, "--middleware") == "rlctl.inference.auth.AdminAuthMiddleware"
+    assert "--enforce-eager" in cmd
+    assert "--gpu-memory-utilization" not in cmd  # meaningless on CPU
+
+
+def test_enforce_eager_follows_recipe():
+    assert "--enforce-eager" not in render(recipe("inference.enforce_eager=false"), CPU, "cpu")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("inference.fp8=true", "inference.fp8"),
+        ("inference.ep=true", "inference.ep"),
+        ("inference.disaggregation.enabled=true", "inference.disaggregation.enabled"),
+        ("inference.kv_offload.tier=cpu", "inference.kv_offload.tier"),
+    ],
+)
+def test_gpu_only_features_fail_on_cpu_naming_the_key(override, key):
+    with pytest.raises(RecipeError) as err:
+        render(recipe(override), CPU, "cpu")
+    msg = str(err.value)
+    assert msg.startswith(key + ":") and "GPU" in msg and "\n" not in msg
+
+
+def test_gpu_command_renders_fp8_ep_deepep_and_memory():
+    r = recipe("inference.fp8=true", "inference.ep=true", "inference.all2all_backend=deepep_low_latency",
+               "inference.dp=4", "inference.tp=2", "inference.gpu_memory_utilization=0.8")
+    cmd = render(r, GPU, "gpu", server_index=6, dp_master=("10.0.0.1", 13345))
+    assert flag(cmd, "--quantization") == "fp8"
+    assert "--enable-expert-parallel" in cmd
+    assert flag(cmd, "--all2all-backend") == "deepep_low_latency"
+    assert flag(cmd, "--tensor-parallel-size") == "2"
+    assert flag(cmd, "--data-parallel-size") == "4" and flag(cmd, "--data-parallel-rank") == "2"
+    assert flag(cmd, "--data-parallel-address") == "10.0.0.1" and flag(cmd, "--data-parallel-rpc-port") == "13345"
+    assert flag(cmd, "--gpu-memory-utilization") == "0.8"
+
+
+def test_gpu_tp_auto_takes_the_placement_gpus_per_server():
+    cmd = render(recipe("inference.tp=auto"), Placement(1, 1, 8, 2, 4, "cpu_partition"), "gpu")
+    assert flag(cmd, "--tensor-parallel-size") == "4"
+    assert "--quantization" not in cmd and "--enable-expert-parallel" not in cmd
+
+
+def test_deepep_without_deep_ep_names_the_extra():
+    r = recipe("inference.ep=true", "inference.all2all_backend=deepep_high_throughput")
+    with pytest.raises(RecipeError, match="deep_ep") as err:
+        render(r, GPU, "gpu", has_module=lambda name: name != "deep_ep")
+    assert str(err.value).startswith("inference.all2all_backend:")
+
+
+def test_all2all_backend_without_ep_is_rejected():
+    with pytest.raises(RecipeError, match="inference.ep = true"):
+        render(recipe("inference.all2all_backend=naive"), GPU, "gpu")
+
+
+@pytest.mark.parametrize("connector, cls", [("nixl", "NixlConnector"), ("mooncake", "MooncakeConnector")])
+def test_prefill_decode_roles_and_kv_transfer_config(connector, cls):
+    r = recipe("inference.disaggregation.enabled=true", f"inference.disaggregation.kv_connector={connector}",
+               "inference.disaggregation.prefill_replicas=1")
+    placement = Placement(1, 2, 8, 1, 8, "cpu_partition")
+    prefill = json.loads(flag(render(r, placement, "gpu", server_index=0), "--kv-transfer-config"))
+    decode = json.loads(flag(render(r, placement, "gpu", server_index=1), "--kv-transfer-config"))
+    assert prefill == {"kv_connector": cls, "kv_role": "kv_producer"}
+    assert decode == {"kv_connector": cls, "kv_role": "kv_consumer"}
+
+
+def test_kv_offload_tiers():
+    cpu_tier = render(recipe("inference.kv_offload.tier=cpu", "inference.kv_offload.cpu_gib=64"), GPU, "gpu")
+    assert flag(cpu_tier, "--kv-offloading-size") == "64.0" and flag(cpu_tier, "--kv-offloading-backend") == "native"
+    both = render(recipe("inference.kv_offload.tier=mooncake", "inference.disaggregation.enabled=true"), GPU, "gpu")
+    config = json.loads(flag(both, "--kv-transfer-config"))
+    assert config["kv_connector"] == "MultiConnector" and config["kv_role"] == "kv_producer"
+    names = [c["kv_connector"] for c in config["kv_connector_extra_config"]["connectors"]]
+    assert names == ["NixlConnector", "MooncakeStoreConnector"]
+    with pytest.raises(RecipeError, match="cpu_gib"):
+        render(recipe("inference.kv_offload.tier=cpu"), GPU, "gpu")
+
+
+def test_token_travels_in_env_never_on_the_command_line(tmp_path):
+    r = recipe()
+    cmd = render(r, CPU, "cpu")
+    env = server_env(r, "cpu", tmp_path, TOKEN)
+    assert env[TOKEN_ENV] == TOKEN
+    assert not any(TOKEN in part for part in cmd) and TOKEN not in format_command(cmd)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and env["TMPDIR"].startswith(str(tmp_path))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in server_env(r, "gpu", tmp_path, TOKEN)
+
+
+def test_cpu_rejects_head_dims_its_attention_kernels_lack(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
+    with pytest.raises(RecipeError, match="head_dim 16"):
+        check_model_for_target(tmp_path, "cpu")
+    check_model_for_target(tmp_path, "gpu")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}))
+    check_model_for_target(tmp_path, "cpu")
+
+
+def test_router_command_has_workers_policy_and_own_prometheus_port():
+    cmd = render_router_command(["http://a:1", "http://b:2"], "round_robin", "10.0.0.5", 9000, 9001,
+                                executable="vllm-router")
+    assert cmd[0] == "vllm-router"
+    assert cmd[cmd.index("--worker-urls") + 1: cmd.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
+    assert flag(cmd, "--policy") == "round_robin"
+    assert flag(cmd, "--prometheus-port") == "9001" and flag(cmd, "--host") == "10.0.0.5"
