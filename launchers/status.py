@@ -345,20 +345,24 @@ def _slurm_state(status: RunStatus, groups: list[dict]) -> None:
         status.reason = f"cannot ask Slurm about job {job}: {acct_why}; {queue_why}"
         return
     acct, queue = acct or {}, queue or {}
-    by_index = {int(g.get("het_index", i)): g for i, g in enumerate(groups)}
-    for index in sorted(set(by_index) | set(acct) | set(queue)):
-        group = by_index.get(index, {}).get("name", f"component{index}")
+    # Several groups can share one het component (an orchestrator beside inference): each gets a row.
+    members: dict[int, list[str]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(int(g.get("het_index", i)), []).append(g.get("name", f"group{i}"))
+    het = len(set(members) | set(acct) | set(queue)) > 1
+    for index in sorted(set(members) | set(acct) | set(queue)):
         a, q = acct.get(index, {}), queue.get(index, {})
         raw = q.get("state") or a.get("state") or "UNKNOWN"  # squeue is fresher while queued/running
         state = _SLURM_STATES.get(raw, "unknown")
         nodes = q.get("nodes") or a.get("nodes") or ""
         if nodes in ("None assigned", "(null)"):
             nodes = ""
-        status.components.append(ComponentStatus(
-            name=f"{group} ({job}+{index})" if len(by_index) > 1 else group, group=group, state=state, nodes=nodes,
-            restarts=max(0, a.get("records", 1) - 1), exit_code=a.get("exit_code"),
-            started=_slurm_time(a.get("start")), ended=_slurm_time(a.get("end")),
-        ))
+        for group in members.get(index, [f"component{index}"]):
+            status.components.append(ComponentStatus(
+                name=f"{group} ({job}+{index})" if het else group, group=group, state=state, nodes=nodes,
+                restarts=_restarts(a), exit_code=a.get("exit_code"),
+                started=_slurm_time(a.get("start")), ended=_slurm_time(a.get("end")),
+            ))
     states = [c.state for c in status.components]
     if not states:
         status.reason = f"Slurm does not know job {job} ({acct_why or queue_why or 'no accounting record'})"
@@ -379,6 +383,14 @@ def _slurm_state(status: RunStatus, groups: list[dict]) -> None:
         status.state = "completed"
     else:
         status.state, status.reason = "failed", "job completed but the orchestrator wrote no DONE marker"
+
+
+def _restarts(record: dict) -> int:
+    """Earlier (requeued) records, plus the newest one when it is itself REQUEUED: sacct shows that
+    record before the record of the next run exists."""
+    if not record:
+        return 0
+    return record["records"] - 1 + (record["state"] == "REQUEUED")
 
 
 def _slurm_time(value: str | None) -> str | None:

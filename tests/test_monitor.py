@@ -252,3 +252,80 @@ def test_slurm_unavailable_is_unknown_with_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no sacct / squeue on PATH
     status = run_state(run)
     assert status.state == "unknown" and "sacct not found" in status.reason
+
+
+HET_SCRIPT = """#!/bin/bash
+#SBATCH --nodes=1 --ntasks=1 --partition=cpu
+#SBATCH hetjob
+#SBATCH --nodes=1 --ntasks-per-node=1 --partition=gpu
+#SBATCH hetjob
+#SBATCH --nodes=2 --ntasks-per-node=1 --partition=gpu
+sleep {sleep}
+{finish}
+"""
+
+
+def _slurm_run(root: Path, name: str, sleep: float, finish: str, *extra: str) -> tuple[Path, str]:
+    run = root / name
+    run.mkdir()
+    script = run / "job.sh"
+    script.write_text(HET_SCRIPT.format(sleep=sleep, finish=finish.replace("RUN", str(run))))
+    job = subprocess.run(["sbatch", "--parsable", *extra, "-o", str(run / "slurm-%j.out"), str(script)],
+                         capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
+    groups = [{"name": g, "het_index": i, "nodes": n, "ntasks_per_node": 1}
+              for i, (g, n) in enumerate((("orchestrator", 1), ("inference", 1), ("trainer", 2)))]
+    atomic_write_json(run / "run.json", {"name": name, "run_dir": str(run), "scheduler": "slurm", "job_id": job,
+                                         "attempt": 1, "groups": groups, "recipe": {"orchestrator": {"max_steps": 3}},
+                                         "plan": PLAN})
+    return run, job
+
+
+def _until(run: Path, states: tuple[str, ...], timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        status = run_state(run)
+        if status.state in states or time.monotonic() > deadline:
+            return status
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def vslurm():
+    script = Path(__file__).parent / "slurm" / "cluster.sh"
+    if os.geteuid() != 0:
+        pytest.skip("the virtual Slurm cluster needs root")
+    subprocess.run([str(script)], check=True, timeout=600, capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_het_components_mapped_to_groups(vslurm, cli, tmp_path):
+    run, job = _slurm_run(tmp_path, "het-ok", 3, "touch RUN/DONE")
+    status = _until(run, ("running",) + ("completed", "failed", "cancelled"))
+    assert status.state == "running", status.reason
+    comps = {c.group: c for c in status.components}
+    assert set(comps) == {"orchestrator", "inference", "trainer"}
+    assert comps["orchestrator"].name == f"orchestrator ({job}+0)" and comps["trainer"].name == f"trainer ({job}+2)"
+    assert comps["orchestrator"].nodes == "node5"  # the cpu partition
+    assert comps["trainer"].nodes.startswith("node[") and comps["inference"].nodes.startswith("node")
+    assert all(c.state == "running" for c in status.components)
+    result = cli("monitor", run, "--wait", "--interval", "0.5", "--timeout", "90")
+    assert result.exit_code == 0, result.output
+    done = run_state(run)
+    assert done.state == "completed" and all(c.exit_code == "0:0" for c in done.components)
+
+    # Without the orchestrator's DONE marker a job that exits 0 did not finish the run.
+    run2, _ = _slurm_run(tmp_path, "het-no-done", 0, "exit 0")
+    assert cli("monitor", run2, "--wait", "--interval", "0.5", "--timeout", "90").exit_code == 1
+    assert "DONE" in run_state(run2).reason
+
+    # A requeue shows as a restart of every component; scancel ends the run as cancelled.
+    run3, job3 = _slurm_run(tmp_path, "het-requeue", 60, "exit 0", "--requeue")
+    try:
+        assert _until(run3, ("running",)).state == "running"
+        subprocess.run(["scontrol", "requeue", job3], check=True, timeout=30)
+        requeued = _until(run3, ("pending",))
+        assert requeued.state == "pending" and [c.restarts for c in requeued.components] == [1, 1, 1]
+    finally:
+        subprocess.run(["scancel", job3], check=True, timeout=30)
+    assert _until(run3, ("cancelled",)).state == "cancelled"
