@@ -1,0 +1,54 @@
+"""Rich tables for `rlctl plan`."""
+from __future__ import annotations
+
+
+def _fmt_s(x) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x / 60:.2f} min" if x >= 120 else f"{x:.2f} s"
+
+
+def render(j: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    pl, tr, inf, orch = j["placement"], j["trainer"], j["inference"], j["orchestrator"]
+    t = Table(title=f"plan: {j['recipe']} on {j['profile']} ({j['model']})", show_header=False)
+    t.add_row("trainer nodes", str(pl["trainer_nodes"]), f"{pl['trainer_ranks_per_node']} ranks/node")
+    t.add_row("inference nodes", str(pl["inference_nodes"]),
+              f"{pl['inference_servers_per_node']} servers/node × {pl['inference_gpus_per_server']} GPU")
+    t.add_row("orchestrator + router", pl["orchestrator"], "")
+    con.print(t)
+    t = Table(title="trainer")
+    for col in ("fsdp", "ep", "cp", "tp", "GiB/GPU", "tokens/s", "step"):
+        t.add_column(col)
+    t.add_row(*(str(tr.get(k, "-")) for k in ("fsdp", "ep", "cp", "tp")), f"{tr.get('memory_gib_per_gpu') or 0:.1f}",
+              f"{tr.get('tokens_per_s') or 0:,.0f}", _fmt_s(tr.get("step_time_s")))
+    con.print(t)
+    if isinstance(tr.get("memory_gib"), dict):
+        m = Table(title="trainer memory per GPU (GiB)")
+        for k in tr["memory_gib"]:
+            m.add_column(k)
+        m.add_row(*(f"{v:.2f}" for v in tr["memory_gib"].values()))
+        con.print(m)
+    t = Table(title="inference")
+    cols = [("tp", "tp"), ("weights GiB/GPU", "weights_gib_per_gpu"), ("KV GiB/GPU", "kv_cache_gib_per_gpu"),
+            ("KV tokens/GPU", "kv_tokens_per_gpu"), ("max rollouts", "max_concurrent_rollouts"),
+            ("decode tok/s", "decode_tokens_per_s"), ("prefill tok/s", "prefill_tokens_per_s"),
+            ("rollout step", "rollout_step_time_s")]
+    for name, _ in cols:
+        t.add_column(name)
+    row = []
+    for _, k in cols:
+        v = inf.get(k)
+        row.append(_fmt_s(v) if k.endswith("time_s") else (f"{v:,.0f}" if isinstance(v, (int, float)) else "-"))
+    t.add_row(*row)
+    con.print(t)
+    idle = ", ".join(f"{k} idle {v:.0%}" for k, v in orch["idle_fraction"].items() if v is not None)
+    con.print(f"async step: [bold]{_fmt_s(orch['step_time_s'])}[/bold]  bottleneck: {j['bottleneck']}  {idle}")
+    for w in j["warnings"]:
+        con.print(f"[yellow]warning:[/yellow] {w}")
+    for e in j["errors"]:
+        con.print(f"[red]error:[/red] {e}")
+    con.print("[green]fits[/green]" if j["fits"] else "[red]does not fit[/red]")
