@@ -134,10 +134,10 @@ def _plan_extra(summary: dict) -> Text | None:
 def _errors(summary: dict) -> Text | None:
     if not summary["errors"]:
         return None
-    text = Text("last errors\n", style="bold red")
+    text = Text("last errors", style="bold red")
     for e in summary["errors"]:
-        text.append(f"  {e['file']}: ", style="dim")
-        text.append(e["line"] + "\n")
+        text.append(f"\n  {e['file']}: ", style="dim")
+        text.append(e["line"], style="default")
     return text
 
 
@@ -156,6 +156,6 @@ def render_status(status, metrics: list[dict], errors: list[dict] | None = None)
 
 def progress_line(summary: dict) -> str:
     """One compact line for `--wait` in non-interactive output (CI logs)."""
-    reward = summary["reward_mean"]
+    eta = "" if summary["eta_s"] is None else f" ETA {fmt_duration(summary['eta_s'])}"
     return (f"{summary['name']}: {summary['state']} step {summary['steps_done']}/{summary['max_steps'] or '?'}"
-            f" reward {_num(reward)} ETA {fmt_duration(summary['eta_s'])}")
+            f" reward {_num(summary['reward_mean'])}{eta}")
