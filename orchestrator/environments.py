@@ -1,0 +1,141 @@
+"""Environments: where prompts come from and how completions are scored.
+
+An environment is a class implementing `Environment`; recipes pick one with
+`orchestrator.environment.name` (a built-in name or a dotted path `package.module:Class`) and pass
+constructor keyword arguments with `orchestrator.environment.args`.
+
+Built-ins (tiny verifiable tasks for the CPU recipes; every character is in the tiny model's charset):
+- `sequence` (default): the prompt is the start of a letter or digit sequence with a random start and
+  stride, e.g. `cde` or `1357`; the policy must continue it (`fgh`, `9135`). Reward = fraction of
+  correct characters, so the policy has to read its input — no constant answer scores well.
+- `count_a`: reward = fraction of 'a' among the first `length` generated characters (a sanity task).
+"""
+from __future__ import annotations
+
+import importlib
+import random
+import string
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.recipes.errors import RecipeError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt; `target` and `info` are whatever the environment needs to score it later."""
+
+    text: str
+    target: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(ABC):
+    """Prompt source + reward function. Implementations must be cheap: the loop scores inline."""
+
+    @abstractmethod
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """Draw `n` prompts using `rng` (owned and checkpointed by the orchestrator)."""
+
+    @abstractmethod
+    def reward(self, prompt: Prompt, completion_text: str) -> float:
+        """Score one completion of `prompt`, in [0, 1] for the built-ins (any float is allowed)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Extra state to restore on resume (e.g. a dataset cursor); JSON-serialisable."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+ALPHABETS = {"letters": string.ascii_lowercase, "digits": string.digits}
+
+
+class SequenceEnvironment(Environment):
+    """Continue a cyclic letter/digit sequence: prompt `prompt_len` items, target the next `target_len`."""
+
+    def __init__(
+        self,
+        alphabets: list[str] | tuple[str, ...] = ("letters",),
+        strides: list[int] | tuple[int, ...] = (1,),
+        prompt_len: int = 3,
+        target_len: int = 4,
+    ):
+        unknown = [a for a in alphabets if a not in ALPHABETS]
+        if not alphabets or unknown:
+            raise RecipeError(
+                f"unknown alphabet(s) {unknown or alphabets!r} (allowed: {', '.join(ALPHABETS)})",
+                key="orchestrator.environment.args.alphabets",
+            )
+        if not strides or any(not isinstance(s, int) or s < 1 for s in strides):
+            raise RecipeError(f"must be a non-empty list of positive integers (got {strides!r})",
+                              key="orchestrator.environment.args.strides")
+        if prompt_len < 1 or target_len < 1:
+            raise RecipeError(f"prompt_len and target_len must be >= 1 (got {prompt_len}, {target_len})",
+                              key="orchestrator.environment.args")
+        self.alphabets = list(alphabets)
+        self.strides = list(strides)
+        self.prompt_len = prompt_len
+        self.target_len = target_len
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            chars = ALPHABETS[rng.choice(self.alphabets)]
+            start, stride = rng.randrange(len(chars)), rng.choice(self.strides)
+            seq = [chars[(start + i * stride) % len(chars)] for i in range(self.prompt_len + self.target_len)]
+            out.append(Prompt("".join(seq[: self.prompt_len]), "".join(seq[self.prompt_len :]),
+                              {"start": start, "stride": stride}))
+        return out
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float:
+        target = prompt.target
+        hits = sum(1 for i, ch in enumerate(completion_text[: len(target)]) if ch == target[i])
+        return hits / len(target)
+
+
+class CountAEnvironment(Environment):
+    """Fraction of 'a' in the first `length` generated characters (shorter completions score less)."""
+
+    def __init__(self, length: int = 8, prompt_len: int = 2):
+        if length < 1 or prompt_len < 1:
+            raise RecipeError(f"length and prompt_len must be >= 1 (got {length}, {prompt_len})",
+                              key="orchestrator.environment.args")
+        self.length = length
+        self.prompt_len = prompt_len
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        letters = string.ascii_lowercase
+        return [Prompt("".join(rng.choice(letters) for _ in range(self.prompt_len))) for _ in range(n)]
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float:
+        return completion_text[: self.length].count("a") / self.length
+
+
+BUILTINS: dict[str, type[Environment]] = {"sequence": SequenceEnvironment, "count_a": CountAEnvironment}
+
+
+def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
+    """Instantiate a built-in environment or `module:Class`; bad names/args raise a one-line RecipeError."""
+    key = "orchestrator.environment.name"
+    if name in BUILTINS:
+        cls = BUILTINS[name]
+    elif ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise RecipeError(f"cannot import module {module_name!r} ({exc})", key=key) from exc
+        cls = getattr(module, attr, None)
+        if cls is None:
+            raise RecipeError(f"module {module_name!r} has no attribute {attr!r}", key=key)
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise RecipeError(f"{name!r} is not a subclass of rlctl.orchestrator.environments.Environment", key=key)
+    else:
+        raise RecipeError(f"unknown environment {name!r} (built-ins: {', '.join(BUILTINS)}; or 'module:Class')", key=key)
+    try:
+        return cls(**(args or {}))
+    except TypeError as exc:
+        raise RecipeError(f"bad arguments for environment {name!r}: {exc}", key="orchestrator.environment.args") from exc
