@@ -25,6 +25,8 @@ def format_validation_error(err, prefix: str = "") -> str:
         if allowed:
             msg += f" (allowed in {parent or 'the top level'}: {', '.join(allowed)})"
         return f"{key}: {msg}"
+    if any(_is_union_tag(p) for p in first.get("loc", ())):
+        msg = "invalid value; allowed: " + " or ".join(sorted({_union_member(e) for e in err.errors()}))
     value = first.get("input")
     shown = repr(value) if not isinstance(value, dict) else "a table"
     if len(shown) > 60:
@@ -47,11 +49,26 @@ def _allowed_keys(err, loc) -> list[str]:
     return sorted(model.model_fields) if model is not None else []
 
 
+_UNION_TAGS = {"int", "str", "float", "bool", "none", "list", "dict"}
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names union members in locs (`cp.int`, `cp.literal['auto']`); users never typed those."""
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
+
+
 def _dotted(loc) -> str:
     out = ""
     for part in loc:
+        if _is_union_tag(part):
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         else:
             out += ("." if out else "") + str(part)
     return out
+
+
+def _union_member(e) -> str:
+    tag = next((p for p in reversed(e.get("loc", ())) if _is_union_tag(p)), "")
+    return tag.replace("literal[", "").rstrip("]") or "a valid value"

@@ -32,6 +32,8 @@ def check_static(recipe, spec, profile) -> None:
             raise RecipeError(f"ep={tr.ep} must divide the {spec.n_routed_experts} experts of {spec.name}", key="trainer.ep")
     if isinstance(tr.cp, int) and inf.max_model_len % tr.cp:
         raise RecipeError(f"cp={tr.cp} must divide the sequence length inference.max_model_len={inf.max_model_len}", key="trainer.cp")
+    if isinstance(tr.tp, int) and profile.gpus_per_node and tr.tp > profile.gpus_per_node:
+        raise RecipeError(f"tp={tr.tp} exceeds the {profile.gpus_per_node} GPUs of a node", key="trainer.tp")
     if isinstance(tr.tp, int) and tr.tp > 1:
         if tr.tp > spec.num_key_value_heads or spec.num_key_value_heads % tr.tp:
             raise RecipeError(f"tp={tr.tp} must divide the {spec.num_key_value_heads} KV heads of {spec.name} "
