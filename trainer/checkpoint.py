@@ -125,12 +125,8 @@ def prune(checkpoints: Path, keep_last: int) -> list[int]:
     return sorted(deleted)
 
 
-def load_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, rank: int) -> None:
-    """Collective: restore model, optimizer, LR schedule and this rank's RNG from `step`."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
+def require_complete(checkpoints: Path, step: int) -> Path:
+    """The trainer part of `step`, or a one-line RecipeError listing the complete ones."""
     from rlctl.recipes.errors import RecipeError
 
     final = trainer_part(checkpoints, step)
@@ -140,6 +136,16 @@ def load_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
             f"no complete trainer checkpoint for step {step} in {checkpoints} (complete: {have or 'none'})",
             "resume step",
         )
+    return final
+
+
+def load_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, rank: int) -> None:
+    """Collective: restore model, optimizer, LR schedule and this rank's RNG from `step`."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    final = require_complete(checkpoints, step)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(final))

@@ -25,7 +25,7 @@ class Trainer:
     def __init__(self, run: RunDir, recipe, resume: str | None = None):
         import torch
 
-        from rlctl.trainer.checkpoint import load_checkpoint, resolve_resume_step
+        from rlctl.trainer.checkpoint import load_checkpoint, require_complete, resolve_resume_step
         from rlctl.trainer.loss import load_loss
         from rlctl.trainer.model import load_causal_lm, resolve_model_dir
         from rlctl.trainer.parallel import apply_fsdp, build_mesh, init_distributed, resolve_dims
@@ -33,6 +33,9 @@ class Trainer:
 
         self.run, self.recipe, self.cfg = run, recipe, recipe.trainer
         self.loss_fn = load_loss(self.cfg.loss.path)
+        resume_step = resolve_resume_step(run.checkpoints, resume)
+        if resume_step is not None:
+            require_complete(run.checkpoints, resume_step)  # fail before the expensive set-up
         self.rank, self.world, self.device = init_distributed()
         self.dims = resolve_dims(self.cfg, self.world, self.device.type)
         self.model_dir = resolve_model_dir(run, recipe)
@@ -50,7 +53,6 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
         )
         self.max_steps = recipe.orchestrator.max_steps
-        resume_step = resolve_resume_step(run.checkpoints, resume)
         self.start_step = 0
         if resume_step is not None:
             load_checkpoint(run.checkpoints, resume_step, self.model, self.optimizer, self.scheduler, self.rank)
