@@ -67,3 +67,17 @@ def test_loads_with_transformers_and_tokenizer_roundtrips(tmp_path):
     logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), TINY_QWEN3["vocab_size"])
     assert torch.isfinite(logits).all()
+
+
+def test_overrides_make_a_variant_with_its_own_marker(tmp_path):
+    pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    small = {"num_hidden_layers": 1, "max_window_layers": 1}
+    out = build_tiny_model(tmp_path / "m", seed=0, overrides=small)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["vocab_size"] == TINY_QWEN3["vocab_size"]
+    numel = sum(t.numel() for t in load_file(out / "model.safetensors").values())
+    assert numel == tiny_model.parameter_count(config)
+    build_tiny_model(out, seed=0)  # the default config differs: rebuilt
+    assert json.loads((out / "config.json").read_text()) == TINY_QWEN3

@@ -78,12 +78,12 @@ def _build_tokenizer():
     )
 
 
-def _write_weights(out: Path, seed: int) -> None:
+def _write_weights(out: Path, seed: int, cfg: dict) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**{k: v for k, v in TINY_QWEN3.items() if k not in ("architectures",)})
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     # Seeded CPU init on a fresh generator state: the same seed gives bit-identical weights.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -92,7 +92,7 @@ def _write_weights(out: Path, seed: int) -> None:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _is_built(out: Path, seed: int) -> bool:
+def _is_built(out: Path, seed: int, cfg: dict) -> bool:
     marker = out / BUILD_MARKER
     if not marker.exists():
         return False
@@ -100,23 +100,27 @@ def _is_built(out: Path, seed: int) -> bool:
         info = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return info.get("seed") == seed and info.get("config") == TINY_QWEN3 and info.get("charset") == CHARSET
+    return info.get("seed") == seed and info.get("config") == cfg and info.get("charset") == CHARSET
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, overrides: dict | None = None) -> Path:
     """Write the tiny model into `out_dir` (idempotent; rebuilt if the seed or the config changed).
+
+    `overrides` replaces config fields (e.g. a wider/deeper variant for benchmarks; the vocabulary
+    stays the character set's).
 
     The directory is staged beside `out_dir` and renamed into place, then the build marker is written
     last, so a concurrent reader never loads a half-written model.
     """
     out = Path(out_dir)
-    if _is_built(out, seed):
+    cfg = {**TINY_QWEN3, **(overrides or {})}
+    if _is_built(out, seed, cfg):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        (stage / "config.json").write_text(json.dumps(TINY_QWEN3, indent=2) + "\n")
-        _write_weights(stage, seed)
+        (stage / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        _write_weights(stage, seed, cfg)
         _build_tokenizer().save_pretrained(str(stage))
         gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
         (stage / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -124,23 +128,23 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if out.exists():
-            if _is_built(out, seed):  # another process finished the same build first
+            if _is_built(out, seed, cfg):  # another process finished the same build first
                 return out
             shutil.rmtree(out)
         os.replace(stage, out)
     finally:
         if stage.exists():
             shutil.rmtree(stage, ignore_errors=True)
-    info = {"seed": seed, "config": TINY_QWEN3, "charset": CHARSET}
+    info = {"seed": seed, "config": cfg, "charset": CHARSET}
     tmp = out / f".{BUILD_MARKER}.tmp"
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, out / BUILD_MARKER)
     return out
 
 
-def parameter_count() -> int:
+def parameter_count(config: dict | None = None) -> int:
     """Number of parameters of the tiny model (tied lm_head counted once), computed from the config."""
-    c = TINY_QWEN3
+    c = config or TINY_QWEN3
     h, i, v, d = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     attn = h * q + 2 * h * kv + q * h + 2 * d  # q, k, v, o projections + q_norm/k_norm
