@@ -10,7 +10,8 @@ import typer
 
 from rlctl.cli.common import fail, print_json, user_errors
 
-ALLOCATION_PEEK_S = 1.0  # without --wait, how long launch looks for the allocation before returning
+# Without --wait, launch looks for the allocation until this many seconds after it started, then returns.
+ALLOCATION_PEEK_S = 1.5
 
 
 def _group_rows(result, states: dict) -> list[dict]:
@@ -35,9 +36,11 @@ def _print_summary(result, rows: list[dict]) -> None:
     else:
         typer.echo(f"local supervisor pid: {result.supervisor_pid}  (attempt {result.attempt})")
     for r in rows:
-        where = r["nodelist"] or ("pending" if result.job_id else "this host")
-        typer.echo(f"  {r['name']:<13} het-group {r['het_index']}  {r['nodes']} node(s) x {r['ntasks_per_node']} "
-                   f"task(s)  {r['state'] or ''}  {where}")
+        if result.job_id:
+            where = f"het-group {r['het_index']}  {r['state'] or ''}  {r['nodelist'] or 'not allocated yet'}"
+        else:
+            where = "this host"
+        typer.echo(f"  {r['name']:<13} {r['nodes']} node(s) x {r['ntasks_per_node']} task(s)  {where}")
 
 
 def _wait_slurm(result, as_json: bool) -> int:
@@ -82,6 +85,7 @@ def launch_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Submit a recipe: one heterogeneous Slurm job (or local processes with --cluster local)."""
+    started = time.monotonic()
     from rlctl.launchers.launch import launch
 
     result = launch(recipes, override, cluster=cluster, name=name, dry_run=dry_run, resume=resume)
@@ -89,10 +93,10 @@ def launch_cmd(
     if result.job_id:
         from rlctl.launchers.hetjob import component_states
 
-        deadline = time.time() + ALLOCATION_PEEK_S
         while True:
             states = component_states(result.job_id)
-            if all(s.get("nodelist") for s in states.values()) and states or time.time() > deadline:
+            allocated = bool(states) and all(s.get("nodelist") for s in states.values())
+            if allocated or time.monotonic() - started > ALLOCATION_PEEK_S:
                 break
             time.sleep(0.2)
     rows = _group_rows(result, states)
@@ -103,6 +107,7 @@ def launch_cmd(
                     "supervisor_pid": result.supervisor_pid, "groups": rows})
     else:
         _print_summary(result, rows)
+    sys.stdout.flush()  # the summary must reach a pipe before --wait blocks
     if wait and not dry_run:
         rc = _wait_slurm(result, as_json) if result.job_id else _wait_local(result)
         if not as_json:

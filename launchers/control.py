@@ -63,7 +63,8 @@ def cancel_run(run: RunDir, timeout: float = 60.0) -> str:
         while time.time() < deadline:
             states = component_states(job)
             if not states or job_finished(states):
-                return f"cancelled job {job} ({', '.join(f'+{k} {v['state']}' for k, v in sorted(states.items()))})"
+                summary = ", ".join(f"+{k} {v['state']}" for k, v in sorted(states.items()))
+                return f"cancelled job {job} ({summary})"
             time.sleep(0.5)
         return f"scancel sent to job {job}; it has not ended after {timeout:g}s"
     sup = _supervisor(run)

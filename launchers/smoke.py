@@ -3,7 +3,7 @@
 Select them per group with `deployment.entrypoints = {trainer = "rlctl.launchers.smoke", ...}`.
 Each task writes `smoke/<group>.<rank>.json` (host, pid, the contract's environment) and follows the
 component protocol: inference tasks announce a URL, the orchestrator waits for every inference
-announcement, announces a router, holds `deployment.smoke.run_s` seconds, writes `DONE` and exits 0;
+announcement and every trainer rank, announces a router, holds `deployment.smoke.run_s` seconds, writes `DONE` and exits 0;
 trainer and inference tasks exit 0 once `DONE` exists. `deployment.smoke.fail_*` makes one rank exit
 with an error code, for teardown tests.
 """
@@ -69,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     elif group == "trainer":
         _wait_done(run)
     else:
+        # Like the real orchestrator, which waits for the servers and the trainer's step_0 weights:
+        # wait until every inference server announced itself and every trainer rank checked in.
         want = int(placement["inference_servers"])
+        ranks = int(placement["trainer_world_size"])
         deadline = time.time() + 300
-        while len(run.announced("inference")) < want:
+        while (len(run.announced("inference")) < want
+               or len(list((run.root / "smoke").glob("trainer.*.json"))) < ranks):
             if time.time() > deadline:
                 print(f"smoke orchestrator: only {len(run.announced('inference'))}/{want} servers", flush=True)
                 return 4

@@ -1,0 +1,30 @@
+"""Shared fixtures: the virtual Slurm cluster (tests/slurm/cluster.sh) for `@pytest.mark.slurm` tests."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CLUSTER_SCRIPT = Path(__file__).parent / "slurm" / "cluster.sh"
+
+
+@pytest.fixture(scope="session")
+def vslurm() -> str:
+    """Start (or reuse) the virtual cluster; returns its profile name. Skips only without root or
+    apt-get, and never in CI (CI=true), where those tests must run."""
+    reason = None
+    if os.geteuid() != 0:
+        reason = "the virtual Slurm cluster needs root (tests/slurm/cluster.sh installs packages, starts daemons)"
+    elif shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        reason = "no apt-get to install Slurm for the virtual cluster"
+    if reason:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must run the Slurm tests, but {reason}")
+        pytest.skip(reason)
+    out = subprocess.run(["bash", str(CLUSTER_SCRIPT)], capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        pytest.fail(f"tests/slurm/cluster.sh failed:\n{out.stdout}\n{out.stderr}")
+    return "vslurm"
