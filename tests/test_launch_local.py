@@ -1,0 +1,120 @@
+"""The local launcher with the smoke entry points: env contract, logs, status files, teardown, cancel."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = str(REPO / "recipes" / "smoke.toml")
+RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
+LOCAL = ("--cluster", "local", "-o", "deployment.trainer_nodes=1", "-o", "trainer.fsdp=2")
+
+
+def rlctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def launch(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = rlctl("launch", SMOKE, *LOCAL, "-o", f"deployment.output_dir={tmp_path}", "--json", *extra)
+    info = json.loads(out.stdout[: out.stdout.index("\n}") + 2])
+    return out, Path(info["run_dir"])
+
+
+def statuses(run: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (run / "status").glob("*.json")}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_local_run_follows_the_env_contract_with_logs_and_status(tmp_path):
+    out, run = launch(tmp_path, "--wait")
+    assert out.returncode == 0, out.stderr
+    recs = {p.stem: json.loads(p.read_text()) for p in (run / "smoke").glob("*.json")}
+    assert sorted(recs) == ["inference.0", "orchestrator.0", "trainer.0", "trainer.1"]
+    tr = [recs["trainer.0"]["env"], recs["trainer.1"]["env"]]
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in tr} == {
+        ("127.0.0.1", tr[0]["MASTER_PORT"], "2", "2")}
+    assert [e["RANK"] for e in tr] == ["0", "1"] and [e["LOCAL_RANK"] for e in tr] == ["0", "1"]
+    inf = recs["inference.0"]["env"]
+    assert inf["RLCTL_SERVER_INDEX"] == "0" and inf["RLCTL_BIND_HOST"] == "127.0.0.1"
+    assert all(r["env"]["RLCTL_RUN_DIR"] == str(run) and r["env"]["RLCTL_ATTEMPT"] == "0" for r in recs.values())
+    assert recs["orchestrator.0"]["saw"]["inference"] == [json.loads((run / "services/inference/0.json").read_text())["url"]]
+    st = statuses(run)
+    assert st["supervisor"]["state"] == "exited" and st["supervisor"]["returncode"] == 0
+    tasks = {k: v for k, v in st.items() if k != "supervisor"}
+    assert sorted(tasks) == ["inference.inference.0", "orchestrator.orchestrator.0", "trainer.trainer.0",
+                             "trainer.trainer.1"]
+    assert all(v["state"] == "exited" and v["returncode"] == 0 and v["ended"] >= v["started"] for v in tasks.values())
+    for group, comp in [("trainer", "trainer.1"), ("inference", "inference.0"), ("orchestrator", "orchestrator.0")]:
+        assert (run / "logs" / "latest" / group / f"{comp}.log").read_text().strip().endswith("clean exit")
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["scheduler"] == "local" and manifest["job_id"] is None
+    logs = rlctl("logs", str(run), "trainer")
+    assert logs.returncode == 0 and "smoke trainer rank 1" in logs.stdout
+
+
+def test_a_failing_component_stops_the_others_after_the_grace_period(tmp_path):
+    grace = 2
+    t0 = time.monotonic()
+    out, run = launch(tmp_path, "--wait", "-o", "deployment.smoke.fail_group=inference", "-o",
+                      "deployment.smoke.fail_after_s=1", "-o", "deployment.smoke.run_s=600", "-o",
+                      f"deployment.grace_period_s={grace}")
+    took = time.monotonic() - t0
+    assert out.returncode == 3, out.stderr  # the failing component's exit code
+    assert took < 30, took  # the others would otherwise hold for 600 s
+    st = statuses(run)
+    assert st["inference.inference.0"]["returncode"] == 3
+    assert st["supervisor"] == {**st["supervisor"], "state": "exited", "returncode": 3}
+    for name, s in st.items():
+        if name != "supervisor":
+            assert s["state"] == "exited" and not alive(s["pid"]), name
+    log = (run / "logs" / "latest" / "supervisor.log").read_text()
+    assert "inference rank 0 exited with code 3" in log and "grace period over" in log
+
+
+def test_cancel_stops_every_process(tmp_path):
+    out, run = launch(tmp_path, "-o", "deployment.smoke.run_s=600")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 60
+    while len(list((run / "smoke").glob("*.json"))) < 4:
+        assert time.monotonic() < deadline, "tasks did not start"
+        time.sleep(0.2)
+    st = statuses(run)
+    pids = [s["pid"] for s in st.values()]
+    assert all(alive(p) for p in pids)
+    cancel = rlctl("cancel", str(run))
+    assert cancel.returncode == 0 and "cancelled local run" in cancel.stdout, cancel.stderr
+    st = statuses(run)
+    assert st["supervisor"]["state"] == "cancelled"
+    assert not any(alive(p) for p in pids)
+    again = rlctl("cancel", str(run))
+    assert again.returncode == 0 and "not running" in again.stdout
+
+
+def test_existing_run_dir_is_refused_unless_resuming(tmp_path):
+    first, run = launch(tmp_path, "--dry-run", "--name", "same")
+    assert first.returncode == 0
+    second = rlctl("launch", SMOKE, *LOCAL, "-o", f"deployment.output_dir={tmp_path}", "--dry-run", "--name", "same")
+    assert second.returncode == 2 and "already exists" in second.stderr and "Traceback" not in second.stderr
+    third, _ = launch(tmp_path, "--dry-run", "--name", "same", "--resume")
+    assert third.returncode == 0 and json.loads((run / "run.json").read_text())["attempt"] == 1
+    assert (run / "logs" / "latest").resolve().name == "attempt_1"
+    assert (run / "configs" / "recipe.toml").read_text().count("[deployment.smoke]") == 1
