@@ -11,7 +11,7 @@ import typer
 from rlctl.cli.common import fail, print_json, user_errors
 
 # Without --wait, launch looks for the allocation until this many seconds after it started, then returns.
-ALLOCATION_PEEK_S = 1.5
+ALLOCATION_PEEK_S = 1.0
 
 
 def _group_rows(result, states: dict) -> list[dict]:

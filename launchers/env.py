@@ -81,13 +81,15 @@ def slurm_task_env(group, run_dir: str, attempt: int, environ: dict | None = Non
                 else environ.get("SLURM_STEP_NODELIST"))
     nodelist = nodelist or environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"]
     names = expand_nodelist(nodelist)[: group.nodes]
+    # name=addr pairs the batch script looked up once per component (see hetjob.render_het_script)
+    known = dict(p.split("=", 1) for p in environ.get(f"RLCTL_NODE_ADDRS_{k}", "").split(",") if "=" in p)
     this = environ.get("SLURMD_NODENAME", names[0])
     node_index = names.index(this) if this in names else int(environ.get("SLURM_NODEID", 0))
     return component_env(
         run_dir=run_dir, attempt=attempt, group=group.name,
         rank=int(environ.get("SLURM_PROCID", 0)), local_rank=int(environ.get("SLURM_LOCALID", 0)),
         local_world_size=group.ntasks_per_node, world_size=group.ntasks, node_index=node_index,
-        node_addrs=[node_address(n) for n in names],
+        node_addrs=[known.get(n) or node_address(n) for n in names],
         master_port=master_port_for(environ.get("SLURM_JOB_ID", "0")),
     )
 

@@ -178,6 +178,11 @@ def render_het_script(groups: list[JobGroup], folder: Path, python: str, *, job_
     lines += ["", "set -u", "umask 077  # result pickles and logs: owner only", "export SUBMITIT_EXECUTOR=slurm"]
     for key, value in (env or {}).items():
         lines.append(f"export {key}={shlex.quote(str(value))}")
+    # Node addresses per component, looked up once here instead of by every task (names need not resolve).
+    for k in range(len(components(groups))):
+        lines.append(f'RLCTL_NODE_ADDRS_{k}="$(scontrol show node -o "$SLURM_JOB_NODELIST_HET_GROUP_{k}" | '
+                     "tr ' ' '\\n' | awk -F= '$1==\"NodeName\"{n=$2} $1==\"NodeAddr\"{print n\"=\"$2}' | "
+                     f'paste -sd, -)"; export RLCTL_NODE_ADDRS_{k}')
     lines += [f"GRACE={int(grace_period_s)}", "pids=(); names=()"]
     for group in groups:
         lines.append(srun_line(group, folder, python))

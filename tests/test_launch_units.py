@@ -131,3 +131,16 @@ def test_inference_env_binds_to_its_node_and_never_all_interfaces():
 ])
 def test_nodelist_expansion(nodelist, expected):
     assert expand_nodelist(nodelist) == expected
+
+
+def test_slurm_task_env_uses_its_own_group_nodelist_and_the_looked_up_addresses():
+    from rlctl.launchers.env import slurm_task_env
+
+    trainer = JobGroup("trainer", 2, 2, 8, "m")
+    environ = {"SLURM_JOB_NODELIST": "node5", "SLURM_JOB_NODELIST_HET_GROUP_2": "node[2-3]",
+               "RLCTL_NODE_ADDRS_2": "node2=10.1.0.2,node3=10.1.0.3", "SLURMD_NODENAME": "node3",
+               "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77"}
+    env = slurm_task_env(trainer, "/r", 2, environ)
+    assert (env["MASTER_ADDR"], env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+        "10.1.0.2", "9", "1", "16", "8")
+    assert env["MASTER_PORT"] == str(master_port_for("77")) and env["RLCTL_ATTEMPT"] == "2"
