@@ -190,7 +190,20 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
 
         executor = slurm_executor(run, groups, run_name, attempt, grace)
         atomic_write_bytes(script, executor.script_text().encode())
-        job = executor.submit_groups({g.name: ComponentTask(g, str(run.root), attempt) for g in groups})
+        from submitit.core.utils import FailedJobError
+
+        import contextlib
+        import io
+
+        try:  # submitit echoes sbatch's stderr on failure; the error below says it in one line
+            with contextlib.redirect_stderr(io.StringIO()):
+                job = executor.submit_groups({g.name: ComponentTask(g, str(run.root), attempt) for g in groups})
+        except FailedJobError as e:
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            info["submit_error"] = "\n".join(lines)
+            atomic_write_json(run.manifest, info)
+            first = lines[0].removeprefix("sbatch: error: ") if lines else str(e)
+            raise RecipeError(f"sbatch refused the job: {first} (script: {script})") from None
         result.job_id, result.script = job.job_id, script
         info["job_id"] = job.job_id
     else:

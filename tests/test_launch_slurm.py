@@ -188,3 +188,11 @@ def test_dry_run_writes_a_valid_sbatch_script_and_submits_nothing(vslurm, tmp_pa
     again = rlctl("launch", SMOKE, "--cluster", "vslurm", "-o", f"deployment.output_dir={tmp_path}", "--dry-run",
                   "--name", "dry")
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_a_job_sbatch_refuses_is_one_line_and_exit_2(vslurm, tmp_path):
+    out = rlctl("launch", SMOKE, "--cluster", "vslurm", "-o", f"deployment.output_dir={tmp_path}",
+                "-o", "deployment.trainer.partition=nope")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert "sbatch refused the job: invalid partition" in out.stderr
