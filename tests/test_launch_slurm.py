@@ -196,3 +196,18 @@ def test_a_job_sbatch_refuses_is_one_line_and_exit_2(vslurm, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert "sbatch refused the job: invalid partition" in out.stderr
+
+
+def test_submission_command_drops_inherited_slurm_variables(vslurm, tmp_path, monkeypatch):
+    from rlctl.launchers.groups import JobGroup
+    from rlctl.launchers.hetjob import HetSlurmExecutor
+
+    monkeypatch.setenv("SLURM_JOB_ID", "424242")
+    monkeypatch.setenv("SLURM_MEM_PER_CPU", "999999")
+    ex = HetSlurmExecutor(tmp_path / "sub", [JobGroup("trainer", 0, 1, 1, "m")], job_name="j",
+                          batch_log=tmp_path / "log", grace_period_s=1)
+    cmd = ex._make_submission_command(tmp_path / "script.sh")
+    assert cmd[0] == "env" and cmd[-2:] == ["sbatch", str(tmp_path / "script.sh")]
+    unset = {cmd[i + 1] for i, a in enumerate(cmd) if a == "-u"}
+    assert {"SLURM_JOB_ID", "SLURM_MEM_PER_CPU"} <= unset and "SLURM_CONF" not in unset
+    assert oct((tmp_path / "sub").stat().st_mode & 0o777) == "0o700"
