@@ -134,6 +134,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        sums = sums.to(self.device)  # NCCL reduces device tensors only
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         loss_sum, tokens, kl, ent, masked, ratio = sums.tolist()
         out = summarize(

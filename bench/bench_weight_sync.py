@@ -1,0 +1,138 @@
+"""Weight sync: rlctl's publish + in-place vLLM reload vs a raw safetensors save + load of the same tensors.
+
+    python bench/bench_weight_sync.py [--size tiny|medium] [--repeats 5] [--no-reload]
+
+publish = `rlctl.trainer.weights.publish_weights` (stage dir, fsync, rename, COMPLETE marker);
+reload  = `rlctl.inference.client.measure_inplace_reload` on a real vLLM server started with
+          `python -m rlctl.inference` (pause → reload from the step dir → resume, tied head re-tied);
+raw     = `safetensors.torch.save_file` + `load_file` of the same state dict, same filesystem.
+Goal: (publish + reload) ≤ 1.5 × raw. Medians over `--repeats`. Prints one table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {
+    "tiny": {},
+    # ~25M parameters (~100 MB fp32): large enough that bytes, not fixed costs, dominate
+    "medium": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "max_window_layers": 8,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64},
+}
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _start_server(run, model_name: str, log: Path) -> tuple[subprocess.Popen, dict]:
+    from rlctl.launchers.rundir import atomic_write_json
+    from rlctl.recipes.load import load_recipe
+
+    recipe = load_recipe(["tiny-cpu"], [f"model.name={json.dumps(model_name)}"])
+    atomic_write_json(run.recipe_json, recipe.model_dump(mode="json"))
+    run.admin_token(create=True)
+    env = {**os.environ, "RLCTL_RUN_DIR": str(run.root), "RLCTL_BIND_HOST": "127.0.0.1",
+           "RLCTL_SERVER_INDEX": "0", "RLCTL_GROUP": "inference", "RLCTL_ATTEMPT": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlctl.inference", "--run-dir", str(run.root)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    announcement = run.services / "inference" / "0.json"
+    deadline = time.monotonic() + 900
+    while not announcement.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_server(run, proc)
+            raise RuntimeError(f"inference server did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(1)
+    return proc, json.loads(announcement.read_text())
+
+
+def _stop_server(run, proc: subprocess.Popen) -> None:
+    (run.root / "DONE").write_text("")
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="medium")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-reload", action="store_true", help="skip the vLLM server (publish + load_file instead)")
+    p.add_argument("--workdir", default=None, help="where to write (default: a temp dir; use the shared FS to bench it)")
+    args = p.parse_args(argv)
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from rlctl.launchers.rundir import RunDir
+    from rlctl.trainer.tiny_model import build_tiny_model, parameter_count
+    from rlctl.trainer.weights import WEIGHTS_FILE, publish_weights
+
+    work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-", dir=args.workdir))
+    run = RunDir(work / "run")
+    run.create()
+    model_dir = build_tiny_model(work / "model", seed=0, overrides=SIZES[args.size])
+    config = json.loads((model_dir / "config.json").read_text())
+    base = load_file(model_dir / WEIGHTS_FILE)
+    nbytes = sum(t.numel() * t.element_size() for t in base.values())
+    print(f"model: {args.size}, {parameter_count(config):,} parameters, {nbytes / 2**20:.1f} MiB of weights")
+
+    raw_save, raw_load, publish, reload, reload_phases = [], [], [], [], []
+    proc = None
+    try:
+        if not args.no_reload:
+            proc, info = _start_server(run, str(model_dir), work / "inference.log")
+            from rlctl.inference.client import measure_inplace_reload
+        for step in range(1, args.repeats + 1):
+            # new values each round, so every reload really changes the served weights
+            state = {k: v + 1e-3 * step for k, v in base.items()}
+            raw_path = work / f"raw_{step}.safetensors"
+            raw_save.append(_timed(lambda: save_file(state, str(raw_path))))
+            raw_load.append(_timed(lambda: load_file(raw_path)))
+            publish.append(_timed(lambda: publish_weights(run.weights, step, state, config)))
+            step_dir = run.weights / f"step_{step}"
+            if proc is not None:
+                t = time.perf_counter()
+                phases = measure_inplace_reload([info["url"]], run.admin_token(), str(step_dir), pause_mode="wait")
+                reload.append(time.perf_counter() - t)
+                reload_phases.append(phases)
+            else:
+                reload.append(_timed(lambda: load_file(step_dir / WEIGHTS_FILE)))
+    finally:
+        if proc is not None:
+            _stop_server(run, proc)
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = statistics.median
+    raw_total = med([s + l for s, l in zip(raw_save, raw_load)])
+    ours = med([a + b for a, b in zip(publish, reload)])
+    what = "in-place vLLM reload (pause+reload+resume)" if proc is not None else "load_file (no server: --no-reload)"
+    print(f"{'raw save_file':<45}{med(raw_save) * 1e3:9.1f} ms")
+    print(f"{'raw load_file':<45}{med(raw_load) * 1e3:9.1f} ms")
+    print(f"{'rlctl publish (stage+fsync+rename+marker)':<45}{med(publish) * 1e3:9.1f} ms")
+    print(f"{what:<45}{med(reload) * 1e3:9.1f} ms")
+    if reload_phases:
+        inner = med([ph["reload_s"] for ph in reload_phases])
+        print(f"{'  of which the reload RPC':<45}{inner * 1e3:9.1f} ms")
+    print(f"{'raw save + load':<45}{raw_total * 1e3:9.1f} ms")
+    print(f"{'rlctl publish + reload':<45}{ours * 1e3:9.1f} ms")
+    print(f"ratio (goal <= 1.5x): {ours / raw_total:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
