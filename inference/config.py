@@ -48,7 +48,8 @@ class InferenceConfig(StrictModel):
     fp8: bool = False
     """Serve with FP8 weights (quantization='fp8')."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Weight/activation dtype of the servers ('auto': the model's config.json dtype)."""
+    """Dtype of the servers; 'auto' uses the trainer's compute dtype (trainer.dtype), so that the
+    importance ratio compares probabilities computed at the same precision."""
     max_model_len: int = 4096
     """Maximum tokens per sequence (prompt + completion); also the trainer's sequence length."""
     gpu_memory_utilization: float = 0.9

@@ -89,6 +89,11 @@ def check_model_for_target(model_dir: str | Path, target: Target) -> None:
                           f"(supported: {', '.join(map(str, CPU_HEAD_SIZES))})", "model.name")
 
 
+def serving_dtype(recipe) -> str:
+    """'auto' follows the trainer (vLLM's own 'auto' would downcast a float32 checkpoint to bf16)."""
+    return recipe.trainer.dtype if recipe.inference.dtype == "auto" else recipe.inference.dtype
+
+
 def tensor_parallel(recipe, placement) -> int:
     tp = recipe.inference.tp
     if isinstance(tp, int):
@@ -155,7 +160,7 @@ def render_server_command(
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", host,
         "--port", str(port),
-        "--dtype", inf.dtype,
+        "--dtype", serving_dtype(recipe),
         "--max-model-len", str(inf.max_model_len),
         "--tensor-parallel-size", str(tensor_parallel(recipe, placement)),
         # RL samples with the recipe's parameters, not the checkpoint's generation_config.json.

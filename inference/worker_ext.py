@@ -4,10 +4,11 @@ vLLM mixes this class into its worker (`--worker-extension-cls rlctl.inference.w
 so `self` is the worker: `self.model_runner`, `self.vllm_config` and `self.reload_weights` exist.
 The client calls it through `/collective_rpc` with method `rlctl_reload` (see `client.py`).
 
-Why not plain `reload_weights`: its layer-wise reload swaps the embedding's Parameter object, so for
-models with `tie_word_embeddings` the LM head keeps pointing at the *old* tensor and logits come from
-stale weights. We re-tie the head to the new embedding and redo the head's post-load processing
-(which may repack the weight for the CPU/GPU kernels).
+Why not plain `reload_weights`: for models with `tie_word_embeddings` the LM head is not in the
+checkpoint, so the layer-wise reload never re-processes it: its weight may end up a different tensor
+than the new embedding, and kernels prepared from the old values (oneDNN keeps its own packed copy on
+CPU) keep computing logits with the old head. We re-tie the head to the embedding and redo the
+head's post-load processing.
 """
 from __future__ import annotations
 
@@ -31,19 +32,22 @@ def _input_embedding(model):
     return model.model.embed_tokens
 
 
-def retie_lm_head(model) -> bool:
-    """Point `lm_head.weight` at the embedding's current weight; True if it had to be re-tied."""
+def refresh_tied_lm_head(model) -> bool:
+    """Re-tie `lm_head.weight` to the embedding's current weight and redo the head's post-load
+    processing. Needed even when the Parameter is still shared: the reload copies new values into
+    it, but kernels prepared from the old values (e.g. oneDNN's packed copy on CPU) stay stale.
+    Returns True if the Parameter itself had to be re-tied."""
     lm_head = getattr(model, "lm_head", None)
     if lm_head is None or not hasattr(lm_head, "weight"):
         return False
     embed = _input_embedding(model)
-    if lm_head.weight is embed.weight:
-        return False
-    lm_head.weight = embed.weight
+    retied = lm_head.weight is not embed.weight
+    if retied:
+        lm_head.weight = embed.weight
     quant = getattr(lm_head, "quant_method", None)
     if quant is not None and hasattr(quant, "process_weights_after_loading"):
         quant.process_weights_after_loading(lm_head)
-    return True
+    return retied
 
 
 class ReloadExtension:
@@ -61,7 +65,7 @@ class ReloadExtension:
             self.reload_weights(weights_path=str(path), is_checkpoint_format=True)
             loaded = time.perf_counter()
             model = self.model_runner.get_model()
-            retied = _tied(self.vllm_config.model_config.hf_config) and retie_lm_head(model)
+            retied = _tied(self.vllm_config.model_config.hf_config) and refresh_tied_lm_head(model)
         done = time.perf_counter()
         return {"step_dir": str(path), "load_s": loaded - start, "retie_s": done - loaded,
                 "total_s": done - start, "retied_lm_head": bool(retied)}

@@ -151,3 +151,9 @@ def test_router_command_has_workers_policy_and_own_prometheus_port():
     assert cmd[cmd.index("--worker-urls") + 1: cmd.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
     assert flag(cmd, "--policy") == "round_robin"
     assert flag(cmd, "--prometheus-port") == "9001" and flag(cmd, "--host") == "10.0.0.5"
+
+
+def test_dtype_auto_follows_the_trainer():
+    assert flag(render(recipe("trainer.dtype=float32"), CPU, "cpu"), "--dtype") == "float32"
+    assert flag(render(recipe("trainer.dtype=bfloat16"), CPU, "cpu"), "--dtype") == "bfloat16"
+    assert flag(render(recipe("trainer.dtype=float32", "inference.dtype=bfloat16"), CPU, "cpu"), "--dtype") == "bfloat16"

@@ -1,0 +1,223 @@
+"""One real vLLM CPU server on the tiny model, started by `python -m rlctl.inference` like the launchers do:
+admin routes need the run token, weights reload in place with requests in flight and then match a
+transformers forward pass of the new weights (tied LM head included), and a router in front works.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from rlctl.inference.client import (  # noqa: E402
+    InferenceClient,
+    InferenceError,
+    parse_samples,
+    policy_cache_salt,
+    prompt_logprobs_of,
+    reload_all,
+)
+from rlctl.inference.router import start_router  # noqa: E402
+from rlctl.launchers.rundir import RunDir, atomic_write_json  # noqa: E402
+from rlctl.recipes.load import load_recipe  # noqa: E402
+
+HOST = "127.0.0.1"
+PROMPT = [1] + list(range(4, 40))  # <bos> then 36 characters of the tiny vocabulary
+START_TIMEOUT_S = 900
+
+
+def make_run(root: Path, *overrides: str) -> RunDir:
+    run = RunDir(root)
+    run.create()
+    recipe = load_recipe(["tiny-cpu"], ["trainer.dtype=float32", *overrides])
+    atomic_write_json(run.recipe_json, recipe.model_dump(mode="json"))
+    run.admin_token(create=True)
+    return run
+
+
+def start_inference(run: RunDir, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "RLCTL_RUN_DIR": str(run.root), "RLCTL_BIND_HOST": HOST, "RLCTL_SERVER_INDEX": "0",
+           "RLCTL_GROUP": "inference", "RLCTL_ATTEMPT": "1"}
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "rlctl.inference", "--run-dir", str(run.root)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inference-run")
+    run = make_run(root / "run")
+    log = root / "inference.log"
+    started = time.monotonic()
+    proc = start_inference(run, log)
+    announcement = run.services / "inference" / "0.json"
+    try:
+        while not announcement.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"inference exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            if time.monotonic() - started > START_TIMEOUT_S:
+                pytest.fail(f"inference not ready after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        info = json.loads(announcement.read_text())
+        print(f"\n[measure] server start (python -m rlctl.inference → announced): {time.monotonic() - started:.1f} s")
+        yield run, info, run.admin_token(), proc
+        (run.root / "DONE").write_text("")
+        assert proc.wait(120) == 0, log.read_text()[-4000:]
+        assert not announcement.exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def transformers_prompt_logprobs(model_dir: Path, state: dict | None = None) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state, strict=False)  # copies in place: the tied head follows the embedding
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), -1)
+    return [logp[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
+
+
+def served_prompt_logprobs(client: InferenceClient, version: int) -> list[float]:
+    resp = asyncio.run(_complete(client, version))
+    return prompt_logprobs_of(resp)[1:]
+
+
+async def _complete(client, version):
+    async with client:
+        return await client.complete(PROMPT, max_tokens=1, prompt_logprobs=0, cache_salt=policy_cache_salt(version))
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def test_announcement_names_a_node_address(server):
+    run, info, token, proc = server
+    assert info["url"].startswith(f"http://{HOST}:") and info["index"] == 0 and info["pid"] > 0
+
+
+@pytest.mark.parametrize("method, route", [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
+                                           ("POST", "/collective_rpc"), ("GET", "/v1/models")])
+def test_admin_and_api_routes_refuse_missing_or_wrong_token(server, method, route):
+    import httpx
+
+    run, info, token, proc = server
+    url = info["url"] + route
+    assert httpx.request(method, url, timeout=30).status_code == 401
+    assert httpx.request(method, url, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+    assert httpx.request(method, url, headers={"Authorization": f"Token {token}"}, timeout=30).status_code == 401
+    assert httpx.get(info["url"] + "/health", timeout=30).status_code == 200
+    ok = httpx.get(info["url"] + "/is_paused", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert ok.status_code == 200 and ok.json() == {"is_paused": False}
+
+
+def test_reload_in_flight_matches_transformers_with_new_weights(server):
+    from safetensors.torch import load_file
+
+    from rlctl.trainer.weights import load_config, publish_weights
+
+    run, info, token, proc = server
+    before = served_prompt_logprobs(InferenceClient(info["url"], token), 0)
+    assert max_diff(before, transformers_prompt_logprobs(run.model)) < 1e-3
+
+    # New policy: every tensor perturbed, the embedding strongly — a stale tied LM head would show.
+    state = load_file(str(run.model / "model.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    new = {k: v + (0.5 if "embed_tokens" in k else 0.05) * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    step_dir = publish_weights(run.weights, 1, new, load_config(run.model))
+    expected = transformers_prompt_logprobs(run.model, new)
+    assert max_diff(expected, before) > 0.1  # the check below can tell old weights from new ones
+
+    async def reload_with_requests_in_flight(n: int):
+        server_client = InferenceClient(info["url"], token)
+        async with server_client:
+            tasks = [asyncio.create_task(server_client.complete("abc", max_tokens=32, cache_salt=policy_cache_salt(0),
+                                                              extra={"ignore_eos": True}))
+                     for _ in range(n)]
+            await asyncio.sleep(0.5)
+            timing = await reload_all([server_client], str(step_dir))
+            results = await asyncio.gather(*tasks)
+            return timing, results
+
+    timing, results = asyncio.run(reload_with_requests_in_flight(64))
+    print(f"\n[measure] pause→reload→resume with 64 requests in flight: {timing}")
+    assert all(len(parse_samples(r)[0].token_ids) == 32 for r in results)  # none lost to the pause
+    after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)
+    assert max_diff(after, expected) < 1e-3
+
+    async def tied():
+        async with InferenceClient(info["url"], token) as c:
+            return await c.collective_rpc("rlctl_lm_head_tied")
+
+    assert asyncio.run(tied()) == ["True"]
+
+
+def test_reload_refuses_a_step_without_marker(server, tmp_path):
+    run, info, token, proc = server
+    partial = tmp_path / "step_9"
+    partial.mkdir()
+
+    async def go():
+        async with InferenceClient(info["url"], token) as c:
+            await c.reload(str(partial))
+
+    with pytest.raises(InferenceError):
+        asyncio.run(go())
+    assert proc.poll() is None  # a refused reload does not take the server down
+
+
+def test_completions_through_router(server, tmp_path):
+    run, info, token, proc = server
+    started = time.monotonic()
+    router = start_router([info["url"]], "round_robin", HOST, log_path=tmp_path / "router.log")
+    print(f"\n[measure] router ready in {time.monotonic() - started:.2f} s")
+    try:
+        async def go():
+            async with InferenceClient(router.url, token) as via, InferenceClient(router.url, "wrong") as bad:
+                resp = await via.complete("abc", max_tokens=6, n=4, temperature=1.0, cache_salt=policy_cache_salt(1),
+                                          extra={"ignore_eos": True})
+                with pytest.raises(InferenceError, match="401"):
+                    await bad.complete("abc", max_tokens=2)
+                return resp
+
+        samples = parse_samples(asyncio.run(go()))
+        assert len(samples) == 4
+        for s in samples:
+            assert len(s.token_ids) == len(s.logprobs) == 6 and all(lp <= 0.0 for lp in s.logprobs)
+    finally:
+        assert router.stop() is not None
+    assert not router.alive()
+
+
+def test_server_that_dies_at_start_reports_its_log_tail(tmp_path):
+    bad_model = tmp_path / "broken-model"
+    bad_model.mkdir()
+    (bad_model / "config.json").write_text('{"model_type": "no-such-architecture", "head_dim": 32}')
+    run = make_run(tmp_path / "run", f"model.name={json.dumps(str(bad_model))}")
+    proc = start_inference(run, tmp_path / "log")
+    try:
+        assert proc.wait(300) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "log").read_text()
+    assert "exited with code" in text and "last" in text and "lines of the server log" in text
+    assert "no-such-architecture" in text.split("lines of the server log")[-1]
+    assert run.admin_token() not in text
