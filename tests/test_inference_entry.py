@@ -1,0 +1,101 @@
+"""Fast checks of the inference entry point and the admin-token middleware (no vLLM started)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rlctl.inference.__main__ import main
+from rlctl.inference.auth import AdminAuthMiddleware
+from rlctl.launchers.rundir import RunDir, atomic_write_json
+from rlctl.recipes.load import load_recipe
+
+TOKEN = "run-token-123"
+
+
+async def _ok_app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def call(app, path: str, headers: dict[str, str] | None = None, method: str = "POST") -> int:
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "method": method, "path": path, "root_path": "",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"]
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", TOKEN)
+    return AdminAuthMiddleware(_ok_app)
+
+
+@pytest.mark.parametrize("path", ["/pause", "/resume", "/collective_rpc", "/is_paused", "/v1/completions", "/abort_requests"])
+def test_admin_routes_need_the_bearer_token(guarded, path):
+    assert call(guarded, path) == 401
+    assert call(guarded, path, {"Authorization": "Bearer nope"}) == 401
+    assert call(guarded, path, {"Authorization": f"Basic {TOKEN}"}) == 401
+    assert call(guarded, path, {"Authorization": f"Bearer {TOKEN}"}) == 200
+
+
+def test_health_probes_stay_open(guarded):
+    for path in ("/health", "/metrics", "/ping", "/version"):
+        assert call(guarded, path, method="GET") == 200
+
+
+def test_middleware_refuses_to_start_without_a_token(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
+        AdminAuthMiddleware(_ok_app)
+
+
+def make_run(tmp_path, *overrides: str, token: bool = True) -> RunDir:
+    run = RunDir(tmp_path / "run")
+    run.create()
+    atomic_write_json(run.recipe_json, load_recipe(["tiny-cpu"], list(overrides)).model_dump(mode="json"))
+    if token:
+        run.admin_token(create=True)
+    return run
+
+
+def test_wildcard_bind_host_is_refused(tmp_path, monkeypatch, capsys):
+    run = make_run(tmp_path)
+    monkeypatch.setenv("RLCTL_BIND_HOST", "0.0.0.0")
+    assert main(["--run-dir", str(run.root)]) == 1
+    assert "not a wildcard" in capsys.readouterr().err
+
+
+def test_missing_admin_token_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    run = make_run(tmp_path, token=False)
+    monkeypatch.setenv("RLCTL_BIND_HOST", "127.0.0.1")
+    assert main(["--run-dir", str(run.root)]) == 1
+    assert "no admin token" in capsys.readouterr().err
+
+
+def test_gpu_only_feature_on_a_cpu_run_fails_before_starting_vllm(tmp_path, monkeypatch, capsys):
+    run = make_run(tmp_path, "inference.fp8=true")
+    monkeypatch.setenv("RLCTL_BIND_HOST", "127.0.0.1")
+    assert main(["--run-dir", str(run.root)]) == 1
+    err = capsys.readouterr().err
+    assert "inference.fp8: FP8 serving needs GPUs" in err and "Traceback" not in err
+    assert not (run.services / "inference").exists()
+
+
+def test_unsupported_cpu_head_dim_fails_before_starting_vllm(tmp_path, monkeypatch, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "head_dim": 16}))
+    run = make_run(tmp_path, f"model.name={json.dumps(str(model))}")
+    monkeypatch.setenv("RLCTL_BIND_HOST", "127.0.0.1")
+    assert main(["--run-dir", str(run.root)]) == 1
+    assert "head_dim 16" in capsys.readouterr().err
