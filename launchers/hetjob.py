@@ -90,7 +90,7 @@ class HetJob(SlurmJob):
     def group_job(self, name: str) -> SlurmJob:
         """A submitit job view of one group (its result pickles live in `<folder>/<group>`)."""
         group = next(g for g in self.groups if g.name == name)
-        return HetJob(folder=self._folder / name, job_id=self.job_id, tasks=list(range(group.ntasks)))
+        return HetJob(folder=self.paths.folder / name, job_id=self.job_id, tasks=list(range(group.ntasks)))
 
 
 def _flag(key: str, value) -> str:

@@ -135,8 +135,15 @@ def test_smoke_launch_wait_runs_one_het_job_with_the_contract(vslurm, tmp_path, 
     assert not os.stat(run).st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     pickles = list((run / "submitit").rglob("*.pkl"))
     assert pickles and all(p.stat().st_mode & 0o077 == 0 for p in pickles)
-    # submitit's result pickles, one per task of each group, in per-group folders
-    assert len(list((run / "submitit" / "attempt_0" / "trainer").glob(f"{job}_*_result.pkl"))) == 16
+    # submitit's view of the het job: the watcher maps JOB+K rows back to JOB; results per group folder
+    from rlctl.launchers.groups import JobGroup
+    from rlctl.launchers.hetjob import HetJob
+
+    het = HetJob(folder=run / "submitit" / "attempt_0", job_id=job)
+    het.groups = [JobGroup.from_dict(g) for g in json.loads((run / "configs" / "groups.json").read_text())]
+    assert het.state == "COMPLETED" and het.component_info(2)["NodeList"] == rows[f"{job}+2"]["NodeList"]
+    results = het.group_job("trainer").results()
+    assert sorted(r["rank"] for r in results) == list(range(16)) and {r["returncode"] for r in results} == {0}
 
 
 def test_killing_one_group_ends_the_whole_job_within_the_grace_period(vslurm, tmp_path, launched):
