@@ -218,3 +218,13 @@ def test_submission_command_drops_inherited_slurm_variables(vslurm, tmp_path, mo
     unset = {cmd[i + 1] for i, a in enumerate(cmd) if a == "-u"}
     assert {"SLURM_JOB_ID", "SLURM_MEM_PER_CPU"} <= unset and "SLURM_CONF" not in unset
     assert oct((tmp_path / "sub").stat().st_mode & 0o777) == "0o700"
+
+
+def test_orchestrator_beside_inference_when_there_is_no_cpu_partition(vslurm, tmp_path, launched):
+    info, _ = launch_json(tmp_path, launched, "--wait", "-o", "deployment.orchestrator_placement=inference_node")
+    job, run = info["job_id"], Path(info["run_dir"])
+    rows = sacct_rows(job)
+    assert [rows[f"{job}+{k}"]["State"] for k in range(2)] == ["COMPLETED"] * 2 and f"{job}+2" not in rows
+    recs = records(run)
+    assert recs["orchestrator"][0]["node"] == rows[f"{job}+0"]["NodeList"] == recs["inference"][0]["node"]
+    assert {r["node"] for r in recs["trainer"]} == set(expand_nodelist(rows[f"{job}+1"]["NodeList"]))
