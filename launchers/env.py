@@ -1,6 +1,7 @@
 """The per-task environment of the launcher contract, and the task wrapper that runs one component.
 
-Every task gets `RLCTL_RUN_DIR`, `RLCTL_ATTEMPT`, `RLCTL_GROUP`, `RLCTL_RANK`, `RLCTL_WORLD_SIZE`;
+Every task gets `RLCTL_RUN_DIR`, `RLCTL_ATTEMPT`, `RLCTL_GROUP`, `RLCTL_RANK`, `RLCTL_WORLD_SIZE`,
+`RLCTL_LOCAL_RANK`;
 inference tasks also `RLCTL_SERVER_INDEX` and `RLCTL_BIND_HOST`; trainer tasks the torch.distributed
 variables `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, computed
 from the trainer group's *own* nodes (on Slurm: `SLURM_JOB_NODELIST_HET_GROUP_K`), so every rank
@@ -35,6 +36,8 @@ def component_env(*, run_dir: str, attempt: int, group: str, rank: int, local_ra
         "RLCTL_GROUP": group,
         "RLCTL_RANK": str(rank),
         "RLCTL_WORLD_SIZE": str(world_size),
+        # index of the task on its node: servers sharing a node pick their GPUs with it
+        "RLCTL_LOCAL_RANK": str(local_rank),
     }
     host = node_addrs[node_index]
     if group == "inference":

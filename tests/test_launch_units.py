@@ -120,7 +120,7 @@ def test_trainer_env_comes_from_its_group_nodes():
 def test_inference_env_binds_to_its_node_and_never_all_interfaces():
     e = component_env(run_dir="/r", attempt=0, group="inference", rank=3, local_rank=1, local_world_size=2,
                       world_size=4, node_index=1, node_addrs=["10.0.0.1", "10.0.0.2"], master_port=1)
-    assert e["RLCTL_SERVER_INDEX"] == "3" and e["RLCTL_BIND_HOST"] == "10.0.0.2"
+    assert e["RLCTL_SERVER_INDEX"] == "3" and e["RLCTL_BIND_HOST"] == "10.0.0.2" and e["RLCTL_LOCAL_RANK"] == "1"
     assert "MASTER_ADDR" not in e
 
 
