@@ -1,0 +1,81 @@
+"""Rollouts and groups as the loop collects them, and the batch tensors of the rollout contract."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.orchestrator.environments import Prompt
+
+
+@dataclass
+class Rollout:
+    """One completion: token ids, the sampled tokens' inference logprobs and per-token policy versions."""
+
+    group_id: int
+    index: int  # position within the group
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    start_version: int = 0  # policy version when the request was sent (stands in for empty completions)
+    reward: float = 0.0
+    payload: dict[str, Any] = field(default_factory=dict)  # opaque per-sample tensors, passed through
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else self.start_version
+
+
+@dataclass
+class Group:
+    group_id: int
+    prompt: Prompt
+    rollouts: list[Rollout]
+    advantages: list[float] = field(default_factory=list)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(r.oldest_version for r in self.rollouts)
+
+    @property
+    def newest_version(self) -> int:
+        return max((max(r.versions) for r in self.rollouts if r.versions), default=self.oldest_version)
+
+
+def build_batch_tensors(groups: list[Group], step: int) -> dict:
+    """The contract's tensors for one training batch (right-padded with 0; versions -1 off-completion)."""
+    import torch
+
+    rollouts = [(r, a) for g in groups for r, a in zip(g.rollouts, g.advantages)]
+    B = len(rollouts)
+    T = max((len(r.prompt_ids) + len(r.completion_ids) for r, _ in rollouts), default=1)
+    input_ids = torch.zeros(B, T, dtype=torch.int64)
+    attention_mask = torch.zeros(B, T, dtype=torch.bool)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    logprobs = torch.zeros(B, T, dtype=torch.float32)
+    versions = torch.full((B, T), -1, dtype=torch.int32)
+    for b, (r, _) in enumerate(rollouts):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        input_ids[b, :p] = torch.tensor(r.prompt_ids, dtype=torch.int64)
+        attention_mask[b, : p + c] = True
+        if c:
+            input_ids[b, p : p + c] = torch.tensor(r.completion_ids, dtype=torch.int64)
+            loss_mask[b, p : p + c] = True
+            logprobs[b, p : p + c] = torch.tensor(r.logprobs, dtype=torch.float32)
+            versions[b, p : p + c] = torch.tensor(r.versions, dtype=torch.int32)
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "inference_logprobs": logprobs,
+        "advantages": torch.tensor([a for _, a in rollouts], dtype=torch.float32),
+        "policy_version": versions,
+        "rewards": torch.tensor([r.reward for r, _ in rollouts], dtype=torch.float32),
+    }
+    names = {name for r, _ in rollouts for name in r.payload}
+    for name in sorted(names):
+        # Opaque payloads are stacked as tensors (never turned into Python lists); every sample must have one.
+        tensors[f"payload.{name}"] = torch.stack([r.payload[name] for r, _ in rollouts])
+    return tensors

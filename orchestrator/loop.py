@@ -1,0 +1,288 @@
+"""The asynchronous rollout loop: dispatch groups through the router, collect, filter, write batches.
+
+One request per group (`n = group_size`, streamed), so a group's completions share a prompt prefix on
+one server. Three cooperating pieces run on one asyncio loop:
+
+- the *dispatcher* starts groups as long as (a) fewer than `max_in_flight` rollouts are in flight and
+  (b) the policy gate allows the batch the group would fill: batch N may start only once the served
+  policy version is >= N - max_off_policy_steps ("time waiting for the policy"). Because of (b) at most
+  `max_off_policy_steps + 1` batches of finished groups can wait in the queue: memory stays bounded
+  however slow the trainer or the backend is;
+- each *group task* streams its completions and tags every received token with the policy version
+  current when it arrived. The weight watcher bumps the version only after all servers resumed, so a
+  token generated just after a resume may be tagged one version too old (safe for the off-policy bound);
+  tagging one too new would need a chunk generated before the pause to reach us after the resume and
+  the bump, i.e. to stay in transit longer than a whole pause/reload/resume round — we accept that;
+- the *collector* takes finished groups in completion order, drops those whose oldest token is older
+  than N - max_off_policy_steps (the dispatcher replaces each dropped group), computes group-relative
+  advantages and writes `rollouts/step_N` atomically.
+
+Every group is either written exactly once or counted as dropped; failed requests are retried as a
+whole group (partial streams are discarded), so no rollout is lost or duplicated.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+
+from rlctl.orchestrator.advantages import group_advantages, is_stale, min_policy_version
+from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
+from rlctl.orchestrator.environments import Environment, Prompt
+from rlctl.inference.client import policy_cache_salt
+from rlctl.inference.server import SERVED_MODEL_NAME
+from rlctl.orchestrator.rollouts import write_batch
+
+
+class PolicyVersion:
+    """The policy version the inference servers currently serve, with a waiter for "at least v"."""
+
+    def __init__(self, version: int = 0):
+        self.version = version
+        self.changed_at = time.monotonic()
+        self._cond = asyncio.Condition()
+
+    async def set(self, version: int) -> None:
+        async with self._cond:
+            self.version = version
+            self.changed_at = time.monotonic()
+            self._cond.notify_all()
+
+    async def wait_for(self, version: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.version >= version)
+
+
+@dataclass
+class LoopSettings:
+    rollouts_per_step: int
+    group_size: int
+    max_tokens: int
+    max_off_policy_steps: int
+    max_in_flight: int  # rollouts; 0 = 2 × rollouts_per_step
+    temperature: float = 1.0
+    start_step: int = 0
+    max_steps: int = 1
+    normalize_std: bool = False
+    request_retries: int = 3
+    request_timeout_s: float = 3600.0
+
+    @classmethod
+    def from_config(cls, cfg, start_step: int = 0) -> "LoopSettings":
+        return cls(cfg.rollouts_per_step, cfg.group_size, cfg.max_tokens, cfg.max_off_policy_steps, cfg.max_in_flight,
+                   cfg.temperature, start_step, cfg.max_steps)
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.rollouts_per_step // self.group_size
+
+    @property
+    def max_groups_in_flight(self) -> int:
+        cap = self.max_in_flight or 2 * self.rollouts_per_step
+        return max(1, cap // self.group_size)
+
+
+@dataclass
+class StepStats:
+    """What the collector measured for one batch (becomes the orchestrator's metrics line)."""
+
+    step: int
+    start: float = 0.0
+    gate_open: float | None = None
+    dropped_groups: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutLoop:
+    def __init__(self, settings: LoopSettings, env: Environment, url: str, token: str | None,
+                 policy: PolicyVersion, rollouts_dir: Path, rng: random.Random | None = None,
+                 on_batch: Callable[[int, list[Group], dict], None] | None = None):
+        self.s = settings
+        self.env = env
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.policy = policy
+        self.rollouts_dir = Path(rollouts_dir)
+        self.rng = rng or random.Random(0)
+        self.on_batch = on_batch
+        self.end_step = settings.start_step + settings.max_steps
+        self.started = 0  # groups dispatched
+        self.dropped = 0  # groups dropped as stale (each one is replaced)
+        self.dropped_ids: list[int] = []
+        self.in_flight = 0  # rollouts currently streaming
+        self.peak_in_flight = 0
+        self.peak_queued = 0
+        self.completed_tokens = 0
+        self.retries = 0
+        self._queue: asyncio.Queue[Group] = asyncio.Queue()
+        self._wake = asyncio.Event()  # dispatcher re-checks its budget (a drop or a finished group)
+        self._gate_open: dict[int, float] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._error: BaseException | None = None
+
+    # ---- dispatcher ------------------------------------------------------------------------------
+    def _target_batch(self) -> int:
+        """The batch the next dispatched group is expected to fill (dropped groups are replaced)."""
+        return self.s.start_step + (self.started - self.dropped) // self.s.groups_per_step
+
+    async def _dispatch(self, session: aiohttp.ClientSession) -> None:
+        G = self.s.group_size
+        while True:
+            batch = self._target_batch()
+            if batch >= self.end_step or self.in_flight + G > self.s.max_groups_in_flight * G:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            need = min_policy_version(batch, self.s.max_off_policy_steps)
+            if self.policy.version < need:
+                await self.policy.wait_for(need)
+                continue
+            self._gate_open.setdefault(batch, time.monotonic())
+            prompt = self.env.sample_prompts(self.rng, 1)[0]
+            group_id = self.started
+            self.started += 1
+            self.in_flight += G
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            task = asyncio.create_task(self._run_group(session, group_id, prompt))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._error is None:
+            self._error = task.exception()
+            self._queue.put_nowait(None)  # wake the collector so it can raise
+
+    # ---- one group -------------------------------------------------------------------------------
+    async def _run_group(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> None:
+        try:
+            for attempt in range(self.s.request_retries + 1):
+                try:
+                    rollouts = await self._stream(session, group_id, prompt)
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                    if attempt == self.s.request_retries:
+                        raise RuntimeError(f"group {group_id}: request to {self.url} failed "
+                                           f"{attempt + 1} times, last: {type(exc).__name__}: {exc}") from exc
+                    self.retries += 1
+                    await asyncio.sleep(min(5.0, 0.2 * 2 ** attempt))
+            for r in rollouts:
+                r.reward = float(self.env.reward(prompt, r.text))
+                self.completed_tokens += len(r.completion_ids)
+            self._queue.put_nowait(Group(group_id, prompt, rollouts))
+            self.peak_queued = max(self.peak_queued, self._queue.qsize())
+        finally:
+            self.in_flight -= self.s.group_size
+            self._wake.set()
+
+    async def _stream(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
+        version = self.policy.version
+        G = self.s.group_size
+        rollouts = [Rollout(group_id, i, start_version=version) for i in range(G)]
+        body = {
+            "model": SERVED_MODEL_NAME, "prompt": prompt.text, "n": G, "max_tokens": self.s.max_tokens,
+            "temperature": self.s.temperature, "top_p": 1.0, "logprobs": 0, "return_token_ids": True,
+            "stream": True, "cache_salt": policy_cache_salt(version),
+        }
+        timeout = aiohttp.ClientTimeout(total=self.s.request_timeout_s)
+        headers = {**self.headers, "X-Request-Id": f"rlctl-g{group_id}"}
+        async with session.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=timeout) as resp:
+            if resp.status >= 400:
+                text = (await resp.text())[:300]
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=text)
+            done = False
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ValueError(f"server error in stream: {str(chunk['error'])[:300]}")
+                now_version = self.policy.version
+                for choice in chunk.get("choices", []):
+                    r = rollouts[choice["index"]]
+                    if choice.get("prompt_token_ids"):
+                        r.prompt_ids = list(choice["prompt_token_ids"])
+                    ids = choice.get("token_ids") or []
+                    lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                    if len(lps) != len(ids):
+                        raise ValueError(f"stream chunk has {len(ids)} token ids but {len(lps)} logprobs")
+                    r.completion_ids.extend(ids)
+                    r.logprobs.extend(float(x) for x in lps)
+                    r.versions.extend([now_version] * len(ids))
+                    r.text += choice.get("text") or ""
+                    if choice.get("finish_reason"):
+                        r.finish_reason = choice["finish_reason"]
+            if not done or any(r.finish_reason is None or not r.prompt_ids for r in rollouts):
+                raise ValueError("stream ended before every completion finished")
+        return rollouts
+
+    # ---- collector -------------------------------------------------------------------------------
+    async def _collect(self, step: int) -> tuple[list[Group], StepStats]:
+        stats = StepStats(step, start=time.monotonic())
+        kept: list[Group] = []
+        while len(kept) < self.s.groups_per_step:
+            group = await self._queue.get()
+            if group is None:
+                raise self._error
+            if is_stale(group, step, self.s.max_off_policy_steps):
+                self.dropped += 1
+                self.dropped_ids.append(group.group_id)
+                stats.dropped_groups += 1
+                self._wake.set()
+                continue
+            kept.append(group)
+        stats.gate_open = self._gate_open.pop(step, stats.start)
+        for g in kept:
+            g.advantages = group_advantages([r.reward for r in g.rollouts], self.s.normalize_std)
+        return kept, stats
+
+    def _write(self, step: int, groups: list[Group], stats: StepStats) -> dict:
+        tensors = build_batch_tensors(groups, step)
+        versions = [v for g in groups for r in g.rollouts for v in r.versions]
+        lags = [step - v for v in versions] or [0]
+        meta = {"policy_version_max": max(versions, default=self.policy.version),
+                "group_ids": [g.group_id for g in groups], "dropped_groups": stats.dropped_groups}
+        write_batch(self.rollouts_dir, step, tensors, meta)
+        elapsed = max(time.monotonic() - stats.start, 1e-9)
+        n_rollouts = len(groups) * self.s.group_size
+        tokens = int(tensors["loss_mask"].sum())
+        return {
+            "reward_mean": float(tensors["rewards"].mean()) if n_rollouts else 0.0,
+            "orchestrator_step_time_s": elapsed,
+            "wait_policy_s": max(0.0, (stats.gate_open or stats.start) - stats.start),
+            "rollouts_per_s": n_rollouts / elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "off_policy_lag_mean": sum(lags) / len(lags),
+            "off_policy_lag_max": max(lags),
+            "dropped_groups": stats.dropped_groups,
+            "policy_version": self.policy.version,
+            "tokens": tokens,
+        }
+
+    async def run(self) -> None:
+        """Produce batches start_step .. start_step + max_steps - 1, then cancel what is still in flight."""
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            dispatcher = asyncio.create_task(self._dispatch(session))
+            try:
+                for step in range(self.s.start_step, self.end_step):
+                    groups, stats = await self._collect(step)
+                    metrics = await asyncio.to_thread(self._write, step, groups, stats)
+                    if self.on_batch is not None:
+                        self.on_batch(step, groups, metrics)
+            finally:
+                dispatcher.cancel()
+                for task in list(self._tasks):
+                    task.cancel()
+                await asyncio.gather(dispatcher, *self._tasks, return_exceptions=True)

@@ -1,0 +1,68 @@
+"""Apply newly published weights to every inference server in flight, then bump the policy version.
+
+The trainer publishes `weights/step_N/` (marker last). When a step newer than the served version is
+complete, the watcher pauses all servers (mode `keep`: running requests freeze and continue afterwards
+under the new weights), reloads each in place, resumes them, and only then bumps the version — so a
+token is never tagged with a version newer than the weights that produced it (see `loop.py`). If
+several steps landed meanwhile, it jumps straight to the newest. Nothing is restarted.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from rlctl.launchers.rundir import complete_steps
+from rlctl.orchestrator.loop import PolicyVersion
+
+Reloader = Callable[[Path], Awaitable[dict[str, Any]]]
+
+
+def inference_reloader(server_urls: list[str], token: str, pause_mode: str = "keep") -> tuple[Reloader, Callable]:
+    """A reload function over the inference servers' admin routes, and an async close for its clients."""
+    from rlctl.inference.client import InferenceClient, reload_all
+
+    clients = [InferenceClient(u, token) for u in server_urls]
+
+    async def reload(step_dir: Path) -> dict[str, Any]:
+        return await reload_all(clients, str(step_dir), pause_mode)
+
+    async def close() -> None:
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+    return reload, close
+
+
+class WeightWatcher:
+    def __init__(self, weights_dir: Path, policy: PolicyVersion, reload: Reloader, poll_s: float = 0.05):
+        self.weights_dir = Path(weights_dir)
+        self.policy = policy
+        self.reload = reload
+        self.poll_s = poll_s
+        self.reloads: list[dict[str, Any]] = []  # one record per applied step: step, timings, when
+
+    def newest_step(self) -> int | None:
+        steps = complete_steps(self.weights_dir)
+        return steps[-1] if steps else None
+
+    async def apply(self, step: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        timings = await self.reload(self.weights_dir / f"step_{step}")
+        record = {"step": step, "reload_s": time.perf_counter() - start, **timings, "time": time.time()}
+        self.reloads.append(record)
+        await self.policy.set(step)
+        return record
+
+    def reload_seconds_since(self, index: int) -> tuple[float, int]:
+        """Total reload seconds of records from `index` on, and the new index (for per-batch metrics)."""
+        return sum(r["reload_s"] for r in self.reloads[index:]), len(self.reloads)
+
+    async def run(self) -> None:
+        """Poll forever (cancel to stop); reload errors propagate and fail the orchestrator."""
+        while True:
+            newest = await asyncio.to_thread(self.newest_step)
+            if newest is not None and newest > self.policy.version:
+                await self.apply(newest)
+            else:
+                await asyncio.sleep(self.poll_s)

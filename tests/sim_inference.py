@@ -1,0 +1,181 @@
+"""A simulated inference server speaking vLLM's wire protocol, for orchestrator tests and benchmarks.
+
+It is a real HTTP server (aiohttp, own process): streamed `/v1/completions` with `n`, `logprobs`,
+`return_token_ids`, plus `/pause`, `/resume`, `/collective_rpc` (rlctl_reload) and `/health`. Each
+generated token encodes the server's policy version at the moment it was generated (token id
+`TOKEN_BASE + version`, logprob `-(version + 1) / 10`), so tests can check the orchestrator's
+per-token version tags against the truth. Run: `python sim_inference.py --token-delay 0.01`; it
+prints `PORT <n>` once listening.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+TOKEN_BASE = 10
+
+
+def token_for(version: int) -> int:
+    return TOKEN_BASE + version
+
+
+class SimServer:
+    def __init__(self, token_delay: float, token: str | None, request_overhead: float = 0.0,
+                 reload_delay: float = 0.0):
+        self.token_delay = token_delay
+        self.request_overhead = request_overhead
+        self.reload_delay = reload_delay
+        self.token = token
+        self.version = 0
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.completed = Counter()  # X-Request-Id -> finished streams
+        self.salts = Counter()
+        self.active = 0
+        self.peak_active = 0
+
+    def _authorized(self, request) -> bool:
+        return self.token is None or request.headers.get("Authorization") == f"Bearer {self.token}"
+
+    async def completions(self, request):
+        from aiohttp import web
+
+        if not self._authorized(request):
+            return web.json_response({"error": "unauthorized"}, status=401)
+        body = await request.json()
+        n, max_tokens = int(body.get("n", 1)), int(body["max_tokens"])
+        self.salts[body.get("cache_salt")] += 1
+        prompt_ids = [TOKEN_BASE + (ord(c) % 40) for c in str(body["prompt"])]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+        try:
+            if self.request_overhead:
+                await asyncio.sleep(self.request_overhead)
+            for step in range(max_tokens):
+                await asyncio.sleep(self.token_delay)
+                await self.resumed.wait()  # pause(mode=keep): requests freeze, then continue
+                v = self.version
+                events = []
+                for i in range(n):
+                    choice = {"index": i, "text": chr(ord("a") + v % 26), "token_ids": [token_for(v)],
+                              "logprobs": {"token_logprobs": [-(v + 1) / 10], "tokens": [f"token_id:{token_for(v)}"]},
+                              "finish_reason": "length" if step == max_tokens - 1 else None}
+                    if step == 0:
+                        choice["prompt_token_ids"] = prompt_ids
+                    events.append(f"data: {json.dumps({'choices': [choice]})}\n\n")
+                await resp.write("".join(events).encode())  # one write per step: cheaper, same bytes
+            await resp.write(b"data: [DONE]\n\n")
+            self.completed[request.headers.get("X-Request-Id", "")] += 1
+        finally:
+            self.active -= 1
+        return resp
+
+    async def pause(self, request):
+        from aiohttp import web
+
+        if not self._authorized(request):
+            return web.json_response({"error": "unauthorized"}, status=401)
+        self.resumed.clear()
+        return web.json_response({})
+
+    async def resume(self, request):
+        from aiohttp import web
+
+        self.resumed.set()
+        return web.json_response({})
+
+    async def rpc(self, request):
+        from aiohttp import web
+
+        if not self._authorized(request):
+            return web.json_response({"error": "unauthorized"}, status=401)
+        body = await request.json()
+        start = time.perf_counter()
+        if self.reload_delay:
+            await asyncio.sleep(self.reload_delay)
+        step_dir = Path(body["args"][0])
+        self.version = int(step_dir.name.split("_")[1])
+        return web.json_response({"results": [{"total_s": time.perf_counter() - start, "step_dir": str(step_dir)}]})
+
+    async def stats(self, request):
+        from aiohttp import web
+
+        return web.json_response({"completed": dict(self.completed), "salts": dict(self.salts),
+                                  "peak_active": self.peak_active, "version": self.version})
+
+    async def health(self, request):
+        from aiohttp import web
+
+        return web.json_response({})
+
+
+async def _main(args) -> None:
+    from aiohttp import web
+
+    sim = SimServer(args.token_delay, args.token, args.request_overhead, args.reload_delay)
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", sim.completions), web.post("/pause", sim.pause),
+                    web.post("/resume", sim.resume), web.post("/collective_rpc", sim.rpc),
+                    web.get("/stats", sim.stats), web.get("/health", sim.health)])
+    runner = web.AppRunner(app, handle_signals=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    print(f"PORT {port}", flush=True)
+    await asyncio.Event().wait()
+
+
+@contextlib.contextmanager
+def sim_server(token_delay: float = 0.01, token: str | None = None, request_overhead: float = 0.0,
+               reload_delay: float = 0.0):
+    """Start the simulated server in its own process; yields its base URL; stops it afterwards."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--token-delay", str(token_delay),
+           "--request-overhead", str(request_overhead), "--reload-delay", str(reload_delay)]
+    if token:
+        cmd += ["--token", token]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"simulated server did not start: {line!r}")
+        yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def fetch_stats(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/stats", timeout=30) as r:
+        return json.loads(r.read())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--token-delay", type=float, default=0.01)
+    parser.add_argument("--request-overhead", type=float, default=0.0)
+    parser.add_argument("--reload-delay", type=float, default=0.0)
+    parser.add_argument("--token", default=None)
+    try:
+        import uvloop  # the real servers' event loop too; makes the simulator cheap enough for 10k streams
+    except ImportError:
+        uvloop = None
+    if uvloop is not None:
+        uvloop.install()
+    asyncio.run(_main(parser.parse_args()))
