@@ -44,6 +44,17 @@ def start_supervisor(run: RunDir, attempt: int) -> int:
     return proc.pid
 
 
+def _die_with_supervisor() -> None:
+    """In the child before exec: get SIGTERM if the supervisor dies, even by SIGKILL (Linux)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,7 +81,8 @@ class Task:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(component_command(self.group.module, str(run.root)),
                                          env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_supervisor)
         self.info.update(pid=self.proc.pid, state="running", started=time.time())
         atomic_write_json(self.status_path, self.info)
 

@@ -118,3 +118,19 @@ def test_existing_run_dir_is_refused_unless_resuming(tmp_path):
     assert third.returncode == 0 and json.loads((run / "run.json").read_text())["attempt"] == 1
     assert (run / "logs" / "latest").resolve().name == "attempt_1"
     assert (run / "configs" / "recipe.toml").read_text().count("[deployment.smoke]") == 1
+
+
+def test_tasks_do_not_outlive_a_killed_supervisor(tmp_path):
+    out, run = launch(tmp_path, "-o", "deployment.smoke.run_s=600")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 60
+    while len(list((run / "smoke").glob("*.json"))) < 4:
+        assert time.monotonic() < deadline, "tasks did not start"
+        time.sleep(0.2)
+    st = statuses(run)
+    os.kill(st["supervisor"]["pid"], 9)
+    pids = [s["pid"] for name, s in st.items() if name != "supervisor"]
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, "tasks outlived their supervisor"
+        time.sleep(0.2)
