@@ -1,0 +1,192 @@
+"""`python -m rlctl.orchestrator --run-dir DIR`: router + rollout loop + weight watcher for one run.
+
+1. Waits for `placement.inference_servers` inference announcements (fails with the servers' log tails
+   if one exits or they time out), starts vllm-router in front of them and announces it.
+2. Runs the rollout loop for `orchestrator.max_steps` batches while the weight watcher applies each
+   newly published `weights/step_N` to every server in flight; one metrics line per batch.
+3. After the last batch it keeps serving weight updates until the trainer has published the final
+   weights `weights/step_{last + 1}` (the trainer exits on DONE, so writing DONE earlier could stop it
+   before it trains the last batch), then writes `<run>/DONE`, stops the router and exits 0.
+
+Resume: batches already complete in `rollouts/` are not regenerated; the loop starts after the last one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+from rlctl.launchers.rundir import RunDir, append_jsonl, atomic_write_json, complete_steps
+from rlctl.recipes.errors import RecipeError
+
+WAIT_SERVERS_S = float(os.environ.get("RLCTL_WAIT_SERVERS_S", "900"))
+WAIT_FINAL_WEIGHTS_S = float(os.environ.get("RLCTL_WAIT_FINAL_WEIGHTS_S", "900"))
+
+
+class OrchestratorError(RuntimeError):
+    """A fatal, explained failure (message printed as one line, exit 1)."""
+
+
+def log(msg: str) -> None:
+    print(f"[orchestrator {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _log_tails(run: RunDir, attempt: int, lines: int = 15) -> str:
+    out = []
+    for path in sorted((run.attempt_logs(attempt) / "inference").glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {path} (last {len(tail)} lines) ---\n" + "\n".join(tail))
+    return "\n".join(out) or "(no inference logs found)"
+
+
+def _dead_servers(run: RunDir) -> list[str]:
+    """Inference tasks the local launcher recorded as exited (Slurm fails the whole job instead)."""
+    import json
+
+    dead = []
+    for path in sorted((run.root / "status").glob("inference.*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("state") == "exited":
+            dead.append(f"{path.stem} (exit code {rec.get('returncode')})")
+    return dead
+
+
+def wait_for_servers(run: RunDir, count: int, attempt: int, timeout_s: float) -> list[str]:
+    """URLs of `count` announced inference servers, ordered by index."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while True:
+        found = run.announced("inference")
+        if len(found) != last:
+            log(f"inference servers announced: {len(found)}/{count}")
+            last = len(found)
+        if len(found) >= count:
+            return [s["url"] for s in sorted(found, key=lambda s: int(s.get("index", 0)))][:count]
+        dead = _dead_servers(run)
+        if dead:
+            raise OrchestratorError(f"inference server(s) exited before announcing: {', '.join(dead)}\n"
+                                    + _log_tails(run, attempt))
+        if time.monotonic() > deadline:
+            raise OrchestratorError(f"only {len(found)}/{count} inference servers announced within "
+                                    f"{timeout_s:.0f} s\n" + _log_tails(run, attempt))
+        time.sleep(0.5)
+
+
+async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[str], token: str) -> None:
+    from rlctl.orchestrator.environments import load_environment
+    from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
+    from rlctl.orchestrator.weight_watcher import WeightWatcher, inference_reloader
+
+    cfg = recipe.orchestrator
+    env = load_environment(cfg.environment.name, cfg.environment.args)
+    done_batches = complete_steps(run.rollouts)
+    start_step = done_batches[-1] + 1 if done_batches else 0
+    end_step = cfg.max_steps
+    policy = PolicyVersion(0)  # servers start from the initial weights (= weights/step_0)
+    reload, close = inference_reloader(server_urls, token)
+    watcher = WeightWatcher(run.weights, policy, reload)
+    reload_index = 0
+
+    def on_batch(step: int, groups, metrics: dict) -> None:
+        nonlocal reload_index
+        reload_s, reload_index = watcher.reload_seconds_since(reload_index)
+        tokens = metrics.pop("tokens")
+        append_jsonl(run.metrics, {"component": "orchestrator", "step": step, "time": time.time(), **metrics,
+                                   "weight_reload_s": reload_s, "tokens": tokens})
+        log(f"step {step + 1}/{end_step}  reward {metrics['reward_mean']:.3f}  policy v{metrics['policy_version']}  "
+            f"lag {metrics['off_policy_lag_mean']:.2f}/{metrics['off_policy_lag_max']}  "
+            f"dropped {metrics['dropped_groups']}  {metrics['rollouts_per_s']:.0f} rollouts/s  "
+            f"wait policy {metrics['wait_policy_s']:.2f}s")
+
+    watch_task = asyncio.create_task(watcher.run())
+    try:
+        if start_step < end_step:
+            log(f"collecting batches {start_step}..{end_step - 1} via {router_url}")
+            settings = LoopSettings.from_config(cfg, start_step=start_step)
+            settings.max_steps = end_step - start_step
+            loop = RolloutLoop(settings, env, router_url, token, policy, run.rollouts,
+                               rng=random.Random(cfg.seed * 1_000_003 + start_step), on_batch=on_batch)
+            await _until_first(loop.run(), watch_task)
+        log(f"all {end_step} batches written; waiting for the trainer's final weights step_{end_step}")
+        deadline = time.monotonic() + WAIT_FINAL_WEIGHTS_S
+        while policy.version < end_step:
+            if watch_task.done():
+                watch_task.result()
+            if time.monotonic() > deadline:
+                raise OrchestratorError(f"trainer did not publish weights/step_{end_step} within {WAIT_FINAL_WEIGHTS_S:.0f} s")
+            await asyncio.sleep(0.1)
+    finally:
+        watch_task.cancel()
+        await asyncio.gather(watch_task, return_exceptions=True)
+        await close()
+
+
+async def _until_first(main, watch_task: asyncio.Task) -> None:
+    """Run `main`; if the watcher fails first (a reload error), cancel main and raise the watcher's error."""
+    main_task = asyncio.create_task(main)
+    done, _ = await asyncio.wait({main_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    if main_task not in done:
+        main_task.cancel()
+        await asyncio.gather(main_task, return_exceptions=True)
+        watch_task.result()
+        raise OrchestratorError("weight watcher stopped unexpectedly")
+    main_task.result()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlctl.orchestrator")
+    parser.add_argument("--run-dir", default=os.environ.get("RLCTL_RUN_DIR"), help="the run directory")
+    args = parser.parse_args(argv)
+    if not args.run_dir:
+        print("orchestrator: error: --run-dir (or RLCTL_RUN_DIR) is required", file=sys.stderr)
+        return 2
+    run = RunDir(Path(args.run_dir))
+    attempt = int(os.environ.get("RLCTL_ATTEMPT", "1"))
+    router = None
+    try:
+        import json
+
+        from rlctl.inference.router import start_router
+        from rlctl.launchers.placement import Placement
+
+        recipe = run.load_recipe()
+        placement = Placement.from_dict(json.loads((run.configs / "placement.json").read_text()))
+        token = run.admin_token()
+        urls = wait_for_servers(run, placement.inference_servers, attempt, WAIT_SERVERS_S)
+        host = os.environ.get("RLCTL_BIND_HOST", "127.0.0.1")
+        log_path = run.log_path(attempt, "orchestrator", "router")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        router = start_router(urls, recipe.router.policy, host, log_path=log_path)
+        run.announce("router", "0", {"url": router.url, "pid": router.proc.pid, "host": host})
+        log(f"router {router.url} ({recipe.router.policy}) in front of {len(urls)} server(s)")
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        asyncio.run(orchestrate(run, recipe, router.url, urls, token))
+        atomic_write_json(run.root / "DONE", {"time": time.time(), "by": "orchestrator",
+                                              "steps": recipe.orchestrator.max_steps})
+        log("DONE")
+        return 0
+    except RecipeError as exc:
+        print(f"orchestrator: error: {exc}", file=sys.stderr)
+        return 2
+    except OrchestratorError as exc:
+        print(f"orchestrator: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if router is not None:
+            router.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
