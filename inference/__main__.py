@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rlctl.inference.router import stop_process_group
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
-                                   render_server_command, server_env)
+                                   inference_target, render_server_command, server_env)
 from rlctl.launchers.placement import Placement
 from rlctl.launchers.rundir import RunDir
 from rlctl.recipes.errors import RecipeError
@@ -112,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     host = os.environ.get("RLCTL_BIND_HOST", "127.0.0.1")
     if host in ("0.0.0.0", "::"):
         return _fail(f"RLCTL_BIND_HOST={host}: bind to the node's own address, not a wildcard")
+    # A server killed hard in an earlier attempt may have left its endpoint behind: never announce stale.
+    (run.services / "inference" / f"{index}.json").unlink(missing_ok=True)
     try:
         recipe = run.load_recipe()
         placement = _placement(run)
-        target = "gpu" if placement.inference_gpus_per_server > 0 else "cpu"
+        target = inference_target(placement)
         token = run.admin_token()
         model_dir = resolve_model_dir(recipe, run)
         check_model_for_target(model_dir, target)

@@ -159,6 +159,12 @@ class InferenceClient:
         return (await self._request("POST", "/v1/completions", json=body)).json()
 
 
+def announced_servers(run) -> list[InferenceClient]:
+    """Clients for every inference server announced in run dir `run` (a RunDir), by index."""
+    token = run.admin_token()
+    return [InferenceClient(info["url"], token) for info in sorted(run.announced("inference"), key=lambda i: i["index"])]
+
+
 async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: str = "keep") -> dict:
     """Pause every server, reload each in place from `step_dir`, resume them all (even on failure).
 

@@ -25,6 +25,11 @@ _CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
 _DEEPEP_BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
 
 
+def inference_target(placement) -> Target:
+    """GPU servers when the planner gave each server GPUs, else the CPU build of vLLM."""
+    return "gpu" if placement.inference_gpus_per_server > 0 else "cpu"
+
+
 def _module_available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
