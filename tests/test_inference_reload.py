@@ -75,6 +75,8 @@ def server(tmp_path_factory):
         (run.root / "DONE").write_text("")
         assert proc.wait(120) == 0, log.read_text()[-4000:]
         assert not announcement.exists()
+        with pytest.raises(ProcessLookupError):  # the server's whole process group is gone: no orphans
+            os.killpg(info["pid"], 0)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
