@@ -134,14 +134,20 @@ class RolloutLoop:
     async def _dispatch(self, session: aiohttp.ClientSession) -> None:
         G = self.s.group_size
         while True:
+            self._wake.clear()  # cleared before the checks below, so no wake-up is lost
             batch = self._target_batch()
             if batch >= self.end_step or self.in_flight + G > self.s.max_groups_in_flight * G:
-                self._wake.clear()
                 await self._wake.wait()
                 continue
             need = min_policy_version(batch, self.s.max_off_policy_steps)
             if self.policy.version < need:
-                await self.policy.wait_for(need)
+                # Also wake on a drop: its replacement belongs to an earlier, already allowed batch.
+                waiters = {asyncio.ensure_future(self.policy.wait_for(need)), asyncio.ensure_future(self._wake.wait())}
+                try:
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waiters:
+                        w.cancel()
                 continue
             self._gate_open.setdefault(batch, time.monotonic())
             prompt = self.env.sample_prompts(self.rng, 1)[0]

@@ -1,8 +1,8 @@
 """A simulated inference server speaking vLLM's wire protocol, for orchestrator tests and benchmarks.
 
 It is a real HTTP server (aiohttp, own process): streamed `/v1/completions` with `n`, `logprobs`,
-`return_token_ids`, plus `/pause`, `/resume`, `/collective_rpc` (rlctl_reload) and `/health`. Each
-generated token encodes the server's policy version at the moment it was generated (token id
+`return_token_ids`, plus `/pause`, `/resume`, `/collective_rpc` (rlctl_reload) and `/health`. Prompts starting with
+`slow` stream 10x slower. Each generated token encodes the server's policy version at the moment it was generated (token id
 `TOKEN_BASE + version`, logprob `-(version + 1) / 10`), so tests can check the orchestrator's
 per-token version tags against the truth. Run: `python sim_inference.py --token-delay 0.01`; it
 prints `PORT <n>` once listening.
@@ -54,6 +54,7 @@ class SimServer:
         n, max_tokens = int(body.get("n", 1)), int(body["max_tokens"])
         self.salts[body.get("cache_salt")] += 1
         prompt_ids = [TOKEN_BASE + (ord(c) % 40) for c in str(body["prompt"])]
+        delay = self.token_delay * (10 if str(body["prompt"]).startswith("slow") else 1)  # deterministic stragglers
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.active += 1
@@ -62,7 +63,7 @@ class SimServer:
             if self.request_overhead:
                 await asyncio.sleep(self.request_overhead)
             for step in range(max_tokens):
-                await asyncio.sleep(self.token_delay)
+                await asyncio.sleep(delay)
                 await self.resumed.wait()  # pause(mode=keep): requests freeze, then continue
                 v = self.version
                 events = []
