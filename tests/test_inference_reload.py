@@ -197,6 +197,11 @@ def test_completions_through_router(server, tmp_path):
                                           extra={"ignore_eos": True})
                 with pytest.raises(InferenceError, match="401"):
                     await bad.complete("abc", max_tokens=2)
+                streamed = {0: ([], []), 1: ([], [])}
+                async for index, ids, logprobs, _ in via.stream("abc", max_tokens=12, n=2, extra={"ignore_eos": True}):
+                    streamed[index][0].extend(ids)
+                    streamed[index][1].extend(logprobs)
+                assert all(len(ids) == len(lps) == 12 for ids, lps in streamed.values())
                 return resp
 
         samples = parse_samples(asyncio.run(go()))
