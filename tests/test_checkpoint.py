@@ -1,6 +1,7 @@
 """DCP trainer checkpoints: pruning rules, and a resumed 2-rank run continuing exactly where it stopped."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 from rlctl.launchers.rundir import MARKER
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.checkpoint import complete_checkpoints, prune, resolve_resume_step, trainer_part
+from rlctl.trainer.weights import publish_weights
 
 from trainer_fixtures import launch_ranks, make_run, synthetic_batch, trainer_metrics, wait_all, write_batches
 
@@ -64,6 +66,9 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path):
     shutil.copytree(full.checkpoints / "step_3", resumed.checkpoints / "step_3")
     for step in range(3, total):
         write_batches(resumed, batches[step], [step])
+    # a policy the abandoned attempt had published beyond the checkpoint must not survive the rewind
+    stale = {k: v + 1 for k, v in load_file(full.weights / "step_4" / "model.safetensors").items()}
+    publish_weights(resumed.weights, 4, stale, json.loads((full.weights / "step_4" / "config.json").read_text()))
     codes = wait_all(launch_ranks(resumed, 2, {"RLCTL_RESUME_STEP": "latest"}))
     assert codes == [0, 0], (resumed.root / "trainer_rank0.log").read_text()[-3000:]
 

@@ -9,7 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from rlctl.launchers.rundir import MARKER, complete_steps
-from rlctl.trainer.weights import CONFIG_FILE, WEIGHTS_FILE, hf_state_dict, latest_complete, publish_weights
+from rlctl.trainer.weights import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    discard_after,
+    hf_state_dict,
+    latest_complete,
+    publish_weights,
+)
 
 CONFIG = {"model_type": "qwen3", "tie_word_embeddings": True}
 
@@ -46,6 +53,14 @@ def test_republishing_a_complete_step_is_a_noop_and_leftovers_are_replaced(tmp_p
     publish_weights(tmp_path, 2, _state(2, 1024), CONFIG)
     assert latest_complete(tmp_path) == 2
     assert (load_file(crashed / WEIGHTS_FILE)["model.norm.weight"] == 2).all()
+
+
+def test_discard_after_removes_only_newer_steps(tmp_path):
+    for step in range(4):
+        publish_weights(tmp_path, step, _state(step, 1024), CONFIG)
+    assert discard_after(tmp_path, 1) == [2, 3]
+    assert complete_steps(tmp_path) == [0, 1] and sorted(p.name for p in tmp_path.iterdir()) == ["step_0", "step_1"]
+    assert discard_after(tmp_path / "missing", 0) == []
 
 
 def test_latest_complete_of_missing_or_empty_dir(tmp_path):

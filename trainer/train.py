@@ -57,6 +57,12 @@ class Trainer:
         if resume_step is not None:
             load_checkpoint(run.checkpoints, resume_step, self.model, self.optimizer, self.scheduler, self.rank)
             self.start_step = resume_step
+            if self.rank == 0:
+                from rlctl.trainer.weights import discard_after
+
+                dropped = discard_after(run.weights, resume_step)
+                if dropped:
+                    self.log(f"resumed at step {resume_step}: removed newer published weights {dropped}")
         self.log(
             f"trainer ready: world={self.world} {self.dims} device={self.device} model={self.model_dir} "
             f"start_step={self.start_step} max_steps={self.max_steps}"

@@ -74,15 +74,28 @@ def publish_weights(weights_dir: str | os.PathLike, step: int, state: dict, conf
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    _fsync_path(weights_dir)
+    # Only the data needs fsync before the marker exists. Losing the rename or the marker in a
+    # crash merely hides the step (it is republished), so those metadata writes are not synced.
     marker = final / f".{MARKER}.tmp"
-    with open(marker, "w") as f:
-        json.dump({"step": step, "file": WEIGHTS_FILE, "time": time.time()}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    marker.write_text(json.dumps({"step": step, "file": WEIGHTS_FILE, "time": time.time()}))
     os.replace(marker, final / MARKER)
-    _fsync_path(final)
     return final
+
+
+def discard_after(weights_dir: str | os.PathLike, step: int) -> list[int]:
+    """Remove published steps newer than `step` (a resumed run rewinds to `step`; those policies belong
+    to the abandoned attempt). The marker goes first so no reader picks a step up while it is deleted."""
+    from rlctl.launchers.rundir import parse_step
+
+    weights_dir = Path(weights_dir)
+    removed = []
+    for child in weights_dir.iterdir() if weights_dir.is_dir() else ():
+        s = parse_step(child.name)
+        if s is not None and s > step:
+            (child / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(s)
+    return sorted(removed)
 
 
 def gather_full_state_dict(model) -> dict:
