@@ -181,7 +181,7 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
             return 143
         if proc.poll() is not None:
             time.sleep(0.5)
-            return _fail(f"server {index} died with code {proc.returncode}", tail) or 1
+            return _fail(f"server {index} died with code {proc.returncode}", tail)
         time.sleep(1.0)
 
 

@@ -207,8 +207,7 @@ def server_env(recipe, target: Target, run_root: Path, token: str) -> dict[str, 
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TMPDIR": str(cache / "tmp"),
-        # Per-request stats and prompts must not end up in logs on the shared filesystem.
-        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_NO_USAGE_STATS": "1",  # no telemetry calls from compute nodes
     }
     if target == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(recipe.inference.kv_cache_gib_cpu)))
