@@ -157,12 +157,13 @@ def read_batch(path: Path) -> tuple[dict, dict[str, Any]]:
 
 
 def wait_for_batch(
-    rollouts_dir: Path, step: int, timeout: float, poll: float = 0.05, stop_file: Path | None = None
+    rollouts_dir: Path, step: int, timeout: float, poll: float = 0.02, stop_file: Path | None = None
 ) -> Path | None:
     """Block until `rollouts_dir/step_N` is complete; return its directory.
 
     Returns None if `stop_file` appears first (e.g. the run's DONE file); raises TimeoutError after
-    `timeout` seconds.
+    `timeout` seconds. Polling one stat() every 20 ms is cheap even on a parallel filesystem and keeps the
+    hand-off latency (part of every step in a balanced pipeline) small.
     """
     marker = step_dir(rollouts_dir, step) / MARKER
     deadline = time.monotonic() + timeout

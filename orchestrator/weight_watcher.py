@@ -35,7 +35,7 @@ def inference_reloader(server_urls: list[str], token: str, pause_mode: str = "ke
 
 
 class WeightWatcher:
-    def __init__(self, weights_dir: Path, policy: PolicyVersion, reload: Reloader, poll_s: float = 0.05):
+    def __init__(self, weights_dir: Path, policy: PolicyVersion, reload: Reloader, poll_s: float = 0.02):
         self.weights_dir = Path(weights_dir)
         self.policy = policy
         self.reload = reload

@@ -29,7 +29,7 @@ def token_for(version: int) -> int:
 
 class SimServer:
     def __init__(self, token_delay: float, token: str | None, request_overhead: float = 0.0,
-                 reload_delay: float = 0.0):
+                 reload_delay: float = 0.0, max_concurrent: int = 0):
         self.token_delay = token_delay
         self.request_overhead = request_overhead
         self.reload_delay = reload_delay
@@ -41,6 +41,8 @@ class SimServer:
         self.salts = Counter()
         self.active = 0
         self.peak_active = 0
+        # A capacity model for benchmarks: at most this many requests generate at once (0 = unlimited).
+        self.slots = asyncio.Semaphore(max_concurrent) if max_concurrent else contextlib.nullcontext()
 
     def _authorized(self, request) -> bool:
         return self.token is None or request.headers.get("Authorization") == f"Bearer {self.token}"
@@ -60,23 +62,24 @@ class SimServer:
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
         try:
-            if self.request_overhead:
-                await asyncio.sleep(self.request_overhead)
-            for step in range(max_tokens):
-                await asyncio.sleep(delay)
-                await self.resumed.wait()  # pause(mode=keep): requests freeze, then continue
-                v = self.version
-                events = []
-                for i in range(n):
-                    choice = {"index": i, "text": chr(ord("a") + v % 26), "token_ids": [token_for(v)],
-                              "logprobs": {"token_logprobs": [-(v + 1) / 10], "tokens": [f"token_id:{token_for(v)}"]},
-                              "finish_reason": "length" if step == max_tokens - 1 else None}
-                    if step == 0:
-                        choice["prompt_token_ids"] = prompt_ids
-                    events.append(f"data: {json.dumps({'choices': [choice]})}\n\n")
-                await resp.write("".join(events).encode())  # one write per step: cheaper, same bytes
-            await resp.write(b"data: [DONE]\n\n")
-            self.completed[request.headers.get("X-Request-Id", "")] += 1
+            async with self.slots:
+                if self.request_overhead:
+                    await asyncio.sleep(self.request_overhead)
+                for step in range(max_tokens):
+                    await asyncio.sleep(delay)
+                    await self.resumed.wait()  # pause(mode=keep): requests freeze, then continue
+                    v = self.version
+                    events = []
+                    for i in range(n):
+                        choice = {"index": i, "text": chr(ord("a") + v % 26), "token_ids": [token_for(v)],
+                                  "logprobs": {"token_logprobs": [-(v + 1) / 10], "tokens": [f"token_id:{token_for(v)}"]},
+                                  "finish_reason": "length" if step == max_tokens - 1 else None}
+                        if step == 0:
+                            choice["prompt_token_ids"] = prompt_ids
+                        events.append(f"data: {json.dumps({'choices': [choice]})}\n\n")
+                    await resp.write("".join(events).encode())  # one write per step: cheaper, same bytes
+                await resp.write(b"data: [DONE]\n\n")
+                self.completed[request.headers.get("X-Request-Id", "")] += 1
         finally:
             self.active -= 1
         return resp
@@ -123,7 +126,7 @@ class SimServer:
 async def _main(args) -> None:
     from aiohttp import web
 
-    sim = SimServer(args.token_delay, args.token, args.request_overhead, args.reload_delay)
+    sim = SimServer(args.token_delay, args.token, args.request_overhead, args.reload_delay, args.max_concurrent)
     app = web.Application()
     app.add_routes([web.post("/v1/completions", sim.completions), web.post("/pause", sim.pause),
                     web.post("/resume", sim.resume), web.post("/collective_rpc", sim.rpc),
@@ -139,10 +142,11 @@ async def _main(args) -> None:
 
 @contextlib.contextmanager
 def sim_server(token_delay: float = 0.01, token: str | None = None, request_overhead: float = 0.0,
-               reload_delay: float = 0.0):
+               reload_delay: float = 0.0, max_concurrent: int = 0):
     """Start the simulated server in its own process; yields its base URL; stops it afterwards."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--token-delay", str(token_delay),
-           "--request-overhead", str(request_overhead), "--reload-delay", str(reload_delay)]
+           "--request-overhead", str(request_overhead), "--reload-delay", str(reload_delay),
+           "--max-concurrent", str(max_concurrent)]
     if token:
         cmd += ["--token", token]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -172,6 +176,7 @@ if __name__ == "__main__":
     parser.add_argument("--token-delay", type=float, default=0.01)
     parser.add_argument("--request-overhead", type=float, default=0.0)
     parser.add_argument("--reload-delay", type=float, default=0.0)
+    parser.add_argument("--max-concurrent", type=int, default=0)
     parser.add_argument("--token", default=None)
     try:
         import uvloop  # the real servers' event loop too; makes the simulator cheap enough for 10k streams
