@@ -92,6 +92,9 @@ def init_distributed() -> tuple[int, int, "torch.device"]:  # noqa: F821
     else:
         device = torch.device("cpu")
         backend = "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a node would oversubscribe its cores
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world)
     return rank, world, device
