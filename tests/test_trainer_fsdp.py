@@ -65,7 +65,9 @@ def test_two_rank_fsdp_trains_publishes_and_matches_reference(tmp_path):
 
     steps = 4
     # max_steps beyond the batches written: the trainer must stop cleanly on DONE
-    run = make_run(tmp_path / "run", ["orchestrator.max_steps=50", "trainer.micro_batch_size=3", "checkpoint.interval=0"])
+    # activation checkpointing on (the recipe default elsewhere): it must not change names or numerics
+    run = make_run(tmp_path / "run", ["orchestrator.max_steps=50", "trainer.micro_batch_size=3", "checkpoint.interval=0",
+                                      "trainer.activation_checkpointing=true"])
     batch = synthetic_batch(run.model, rows=16)  # 8 rows per rank -> 3 micro-batches, the last one short
     write_batches(run, batch, range(steps))
     procs = launch_ranks(run, 2)
