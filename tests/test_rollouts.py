@@ -91,3 +91,27 @@ def test_wait_stops_on_stop_file_and_times_out(tmp_path):
     assert wait_for_batch(tmp_path, 5, timeout=5, stop_file=stop) is None
     with pytest.raises(TimeoutError):
         wait_for_batch(tmp_path, 5, timeout=0.1)
+
+
+def test_crc_fallback_without_xxhash_round_trips_and_detects_corruption(tmp_path, monkeypatch):
+    from rlctl.orchestrator import rollouts
+
+    monkeypatch.setattr(rollouts, "_have_xxhash", lambda: False)
+    tensors = _batch(B=8, T=64)
+    path = write_batch(tmp_path, 0, tensors, {})
+    got, _ = read_batch(path)
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+    f = path / "batch.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(CorruptRolloutError, match="checksum"):
+        read_batch(path)
+
+
+def test_file_is_standard_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = _batch()
+    got = load_file(str(write_batch(tmp_path, 0, tensors, {}) / "batch.safetensors"))
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
