@@ -99,7 +99,7 @@ def test_straggler_older_than_the_bound_is_dropped_and_replaced(tmp_path):
                            on_batch=lambda step, groups, m: written.update({step: ([g.group_id for g in groups], m)}))
 
         async def publisher():  # the trainer: v1 after the straggler's first token (0.5 s), then one per batch
-            await asyncio.sleep(0.8)
+            await asyncio.sleep(1.2)
             publish(weights, 1)
             for step in range(2, 4):
                 while not (step_dir(rollouts, step - 1) / "COMPLETE").exists():
