@@ -43,7 +43,7 @@ def _print_summary(result, rows: list[dict]) -> None:
         typer.echo(f"  {r['name']:<13} {r['nodes']} node(s) x {r['ntasks_per_node']} task(s)  {where}")
 
 
-def _wait_slurm(result, as_json: bool) -> int:
+def _wait_slurm(result, as_json: bool, progress: _Progress) -> int:
     from rlctl.launchers.hetjob import component_states, job_finished
 
     last = None
@@ -51,16 +51,57 @@ def _wait_slurm(result, as_json: bool) -> int:
         states = component_states(result.job_id)
         view = {k: (v["state"], v["nodelist"]) for k, v in states.items()}
         if view != last and not as_json:
+            progress.break_line()
             typer.echo(time.strftime("%H:%M:%S ") + "  ".join(
                 f"{g.name}={states.get(g.het_index, {}).get('state', '?')}" for g in result.groups), err=True)
             last = view
+        progress.update()
         if job_finished(states):
             bad = {k: v["state"] for k, v in states.items() if v["state"] != "COMPLETED"}
             return 1 if bad else 0
         time.sleep(1.0)
 
 
-def _wait_local(result) -> int:
+class _Progress:
+    """Steps, reward and ETA on stderr while --wait follows a run: one rewritten line on a terminal,
+    a new line only when something changed in logs and pipes."""
+
+    def __init__(self, run_root, enabled: bool):
+        self.run_root, self.enabled = run_root, enabled
+        self.tty = sys.stderr.isatty()
+        self.last_line, self.last_time = None, 0.0
+        self.summary: dict | None = None
+
+    def update(self, force: bool = False) -> None:
+        if not self.enabled or (not force and time.monotonic() - self.last_time < 2.0):
+            return
+        from rlctl.cli.monitor_view import progress_line
+        from rlctl.launchers.run_summary import read_metrics, summarize
+        from rlctl.launchers.status import run_state
+
+        self.last_time = time.monotonic()
+        try:
+            self.summary = summarize(run_state(self.run_root), read_metrics(self.run_root / "metrics.jsonl"))
+        except (OSError, ValueError):
+            return  # a half-written status file; the next poll reads it whole
+        if not force and self.summary["state"] == "lost" and not self.summary["steps_done"]:
+            return  # the supervisor has not written its status yet
+        line = progress_line(self.summary)
+        if line != self.last_line:
+            sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
+            sys.stderr.flush()
+            self.last_line = line
+
+    def break_line(self) -> None:
+        """End the rewritten terminal line before other output is printed."""
+        if self.enabled and self.tty and self.last_line is not None:
+            sys.stderr.write("\n")
+            self.last_line = None
+
+    close = break_line
+
+
+def _wait_local(result, progress: _Progress) -> int:
     from rlctl.launchers.local import status_dir
 
     path = status_dir(result.run) / "supervisor.json"
@@ -71,6 +112,7 @@ def _wait_local(result) -> int:
             st = {}
         if st.get("state") in ("exited", "cancelled"):
             return int(st.get("returncode") or 0)
+        progress.update()
         time.sleep(0.5)
 
 
@@ -109,8 +151,15 @@ def launch_cmd(
         _print_summary(result, rows)
     sys.stdout.flush()  # the summary must reach a pipe before --wait blocks
     if wait and not dry_run:
-        rc = _wait_slurm(result, as_json) if result.job_id else _wait_local(result)
+        progress = _Progress(result.run.root, enabled=not as_json)
+        rc = _wait_slurm(result, as_json, progress) if result.job_id else _wait_local(result, progress)
+        progress.update(force=True)
+        progress.close()
         if not as_json:
+            final = progress.summary or {}
+            if final.get("reward_mean") is not None:
+                typer.echo(f"final reward mean {final['reward_mean']:.3f} (first {final['reward_first']:.3f}) "
+                           f"after {final['steps_done']} step(s)")
             typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc}); logs: {result.run.logs / 'latest'}")
         raise typer.Exit(rc)
 

@@ -20,6 +20,13 @@ def _orchestrator_site(recipe, profile) -> str:
     return "cpu_partition" if profile.partitions.cpu and profile.cpu_nodes > 0 else "inference_node"
 
 
+def _cpu_groups(recipe) -> bool:
+    """Trainer and inference both request 0 GPUs per node: a CPU run (e.g. the tiny recipe on a GPU
+    cluster), placed like on a CPU profile — ranks from the parallel degrees, the CPU build of vLLM."""
+    dep = recipe.deployment
+    return dep.trainer.gpus_per_node == 0 and dep.inference.gpus_per_node == 0
+
+
 def _profile(recipe, profile):
     if profile is None:
         from rlctl.launchers.cluster import load_profile
@@ -35,7 +42,7 @@ def compute_placement(recipe, profile=None) -> Placement:
     resolved by the planner (minimal async step time).
     """
     profile = _profile(recipe, profile)
-    if profile.gpus_per_node == 0:
+    if profile.gpus_per_node == 0 or _cpu_groups(recipe):
         tr, dep = recipe.trainer, recipe.deployment
         ranks = _int_or(tr.fsdp, 1) * _int_or(tr.cp, 1) * _int_or(tr.tp, 1)
         return Placement(

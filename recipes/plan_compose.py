@@ -223,7 +223,9 @@ def build_report(recipe, profile):
     if o.max_tokens > recipe.inference.max_model_len:
         warnings.append(f"orchestrator.max_tokens={o.max_tokens} exceeds inference.max_model_len="
                         f"{recipe.inference.max_model_len}; rollouts will be truncated")
-    if profile.gpus_per_node == 0:
+    from rlctl.recipes.plan import _cpu_groups
+
+    if profile.gpus_per_node == 0 or _cpu_groups(recipe):
         placement, trainer, inference, trainer_s, rollout_s = _cpu_report(recipe, spec, profile, shape, errors, warnings)
     else:
         gpu = gpu_spec(profile.gpu)
