@@ -4,7 +4,8 @@
 
 publish = `rlctl.trainer.weights.publish_weights` (stage dir, fsync, rename, COMPLETE marker);
 reload  = `rlctl.inference.client.measure_inplace_reload` on a real vLLM server started with
-          `python -m rlctl.inference` (pause → reload from the step dir → resume, tied head re-tied);
+          `python -m rlctl.inference` (pause → reload from the step dir → resume, tied head re-tied;
+          pause mode `keep` as the orchestrator's weight watcher uses it);
 raw     = `safetensors.torch.save_file` + `load_file` of the same state dict, same filesystem.
 Goal: (publish + reload) ≤ 1.5 × raw. Medians over `--repeats`. Prints one table.
 """
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="medium")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-reload", action="store_true", help="skip the vLLM server (publish + load_file instead)")
+    p.add_argument("--pause-mode", choices=["keep", "wait"], default="keep",
+                   help="pause mode of the reload (the orchestrator's weight watcher uses 'keep')")
     p.add_argument("--workdir", default=None, help="where to write (default: a temp dir; use the shared FS to bench it)")
     args = p.parse_args(argv)
 
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
             step_dir = run.weights / f"step_{step}"
             if proc is not None:
                 t = time.perf_counter()
-                phases = measure_inplace_reload([info["url"]], run.admin_token(), str(step_dir), pause_mode="wait")
+                phases = measure_inplace_reload([info["url"]], run.admin_token(), str(step_dir), pause_mode=args.pause_mode)
                 reload.append(time.perf_counter() - t)
                 reload_phases.append(phases)
             else:
@@ -126,8 +129,9 @@ def main(argv=None) -> int:
     print(f"{'rlctl publish (stage+fsync+rename+marker)':<45}{med(publish) * 1e3:9.1f} ms")
     print(f"{what:<45}{med(reload) * 1e3:9.1f} ms")
     if reload_phases:
-        inner = med([ph["reload_s"] for ph in reload_phases])
-        print(f"{'  of which the reload RPC':<45}{inner * 1e3:9.1f} ms")
+        for key, label in (("pause_s", "pause"), ("reload_s", "reload RPC"), ("load_s_max", "  in the worker"),
+                           ("resume_s", "resume")):
+            print(f"{'  ' + label:<45}{med([ph[key] for ph in reload_phases]) * 1e3:9.1f} ms")
     print(f"{'raw save + load':<45}{raw_total * 1e3:9.1f} ms")
     print(f"{'rlctl publish + reload':<45}{ours * 1e3:9.1f} ms")
     print(f"ratio (goal <= 1.5x): {ours / raw_total:.2f}x")

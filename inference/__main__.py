@@ -12,6 +12,7 @@ import collections
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from rlctl.inference.router import stop_process_group
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
-                                   inference_target, render_server_command, server_env)
+                                   inference_target, ipc_safe_tmpdir, render_server_command, server_env)
 from rlctl.launchers.placement import Placement
 from rlctl.launchers.rundir import RunDir
 from rlctl.recipes.errors import RecipeError
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, FileNotFoundError, RuntimeError, ValueError) as e:
         return _fail(str(e))
     env = {**os.environ, **server_env(recipe, target, run.root, token)}
+    private_tmp = ipc_safe_tmpdir(env["TMPDIR"])  # a deep run dir would overflow socket paths
+    if private_tmp:
+        env["TMPDIR"] = private_tmp
     for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
         Path(env[key]).mkdir(parents=True, exist_ok=True)
     print(f"rlctl.inference[{index}]: starting ({target}): {format_command(cmd)}", flush=True)
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_process_group(proc)
         pump.join(timeout=5)
         (run.services / "inference" / f"{index}.json").unlink(missing_ok=True)
+        if private_tmp:
+            shutil.rmtree(private_tmp, ignore_errors=True)
 
 
 def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:

@@ -1,0 +1,78 @@
+"""Checks shared by the end-to-end tests of the tiny recipe (local and Slurm): metrics, monitor, leftovers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "recipes" / "tiny-cpu.toml")
+RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
+
+# The per-step metrics of the contract (docs: metrics.jsonl), by the component that records them.
+TRAINER_KEYS = ("trainer_step_time_s", "wait_batch_s", "mismatch_kl", "weight_publish_s")
+ORCHESTRATOR_KEYS = ("reward_mean", "orchestrator_step_time_s", "wait_policy_s", "rollouts_per_s", "tokens_per_s",
+                     "off_policy_lag_mean", "off_policy_lag_max", "dropped_groups", "weight_reload_s")
+
+
+def rlctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run: Path) -> tuple[list[dict], list[dict]]:
+    """(trainer records, orchestrator records), each sorted by step."""
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    by = lambda comp: sorted((r for r in recs if r.get("component") == comp), key=lambda r: r["step"])  # noqa: E731
+    return by("trainer"), by("orchestrator")
+
+
+def assert_contract_keys(trainer: list[dict], orch: list[dict]) -> None:
+    assert trainer and orch, "no metrics recorded"
+    for recs, keys in ((trainer, TRAINER_KEYS), (orch, ORCHESTRATOR_KEYS)):
+        for r in recs:
+            missing = [k for k in keys if not isinstance(r.get(k), (int, float))]
+            assert not missing, f"step {r['step']} of {r['component']} lacks {missing}"
+    # Numbers that must be real measurements, not placeholders.
+    assert all(r["tokens_per_s"] > 0 and r["rollouts_per_s"] > 0 for r in orch)
+    assert all(r["trainer_step_time_s"] > 0 and r["weight_publish_s"] > 0 for r in trainer)
+    assert max(r["off_policy_lag_max"] for r in orch) <= 1  # the recipe's max_off_policy_steps
+    assert any(r["weight_reload_s"] > 0 for r in orch)
+
+
+def monitor_json(run: Path) -> dict:
+    out = rlctl("monitor", str(run), "--once", "--json")
+    return json.loads(out.stdout)
+
+
+def _environ_mentions(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or not ours to read
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def leftover_processes(run: Path) -> list[str]:
+    """Processes of this run still alive: recorded pids, anything naming the run dir on its command line,
+    and anything carrying the run's RLCTL_RUN_DIR (children such as vLLM's engine core inherit it)."""
+    left = []
+    for path in (run / "status").glob("*.json"):
+        pid = json.loads(path.read_text()).get("pid")
+        if isinstance(pid, int) and _alive(pid):
+            left.append(f"{path.stem} pid {pid}")
+    found = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True).stdout.split()
+    left += [f"pgrep pid {p}" for p in found if int(p) != os.getpid()]
+    needle = f"RLCTL_RUN_DIR={run}\0".encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid() and _alive(int(proc.name)) \
+                and _environ_mentions(int(proc.name), needle):
+            left.append(f"env pid {proc.name}: {(proc / 'cmdline').read_bytes()[:120]!r}")
+    return sorted(set(left))

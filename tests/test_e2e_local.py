@@ -1,0 +1,44 @@
+"""The README demo end to end: `rlctl launch recipes/tiny-cpu.toml --wait` on this machine — real vLLM CPU
+server, vllm-router, orchestrator and a 2-rank FSDP2 trainer — learns the task within max_steps."""
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+from e2e_checks import RLCTL, TINY, assert_contract_keys, leftover_processes, metrics, monitor_json
+
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_recipe_learns_locally_and_leaves_nothing_behind(tmp_path):
+    # No --cluster: the recipe's own profile (local) picks the local launcher, as in the README.
+    t0 = time.monotonic()
+    out = subprocess.run([*RLCTL, "launch", TINY, "--name", "e2e", "-o", f"deployment.output_dir={tmp_path}", "--wait"],
+                         capture_output=True, text=True, timeout=900)
+    took = time.monotonic() - t0
+    run = tmp_path / "e2e"
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert "local supervisor pid" in out.stdout  # the local launcher, not a Slurm submission
+
+    trainer, orch = metrics(run)
+    assert_contract_keys(trainer, orch)
+    max_steps = 80
+    assert [r["step"] for r in trainer] == list(range(max_steps))
+    assert [r["step"] for r in orch] == list(range(max_steps))
+    rewards = [r["reward_mean"] for r in orch]
+    assert rewards[0] < 0.2, rewards[:5]
+    assert max(rewards) >= 0.8, f"reward never reached 0.8: {rewards}"
+    assert sum(rewards[-5:]) / 5 >= 0.8, rewards[-10:]
+
+    # --wait showed progress while it ran and ended with the final reward.
+    assert "step " in out.stderr and "reward " in out.stderr, out.stderr
+    assert f"final reward mean {rewards[-1]:.3f}" in out.stdout, out.stdout
+
+    mon = monitor_json(run)
+    assert mon["state"] == "completed", mon
+    assert mon["reward_mean"] == pytest.approx(rewards[-1]) and mon["steps_done"] == max_steps
+    assert (run / "DONE").exists()
+    assert leftover_processes(run) == []
+    print(f"tiny-cpu local: {took:.0f}s wall, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}, "
+          f"first step >= 0.8: {next(i for i, r in enumerate(rewards) if r >= 0.8)}")

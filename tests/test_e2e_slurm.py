@@ -1,0 +1,74 @@
+"""The tiny recipe as one heterogeneous job on the virtual Slurm cluster (tests/slurm/cluster.sh): the real
+vLLM CPU server on a `gpu` node, router + orchestrator on the `cpu` node, a 2-rank FSDP2 trainer — the
+reward rises and every het component ends COMPLETED."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+from e2e_checks import REPO, RLCTL, TINY, assert_contract_keys, metrics, monitor_json
+
+ON_VSLURM = str(REPO / "recipes" / "tiny-vslurm.toml")
+STEPS = 25  # enough for a clear rise (the full 80 steps are the local test's job) in a few minutes
+
+
+def test_tiny_recipe_places_like_cpu_on_a_gpu_profile():
+    """8 GPUs per node must not turn the CPU recipe into 8 trainer ranks and 8 vLLM servers."""
+    from rlctl.launchers.launch import load_for_launch
+
+    _, profile, placement, groups = load_for_launch([TINY, ON_VSLURM])
+    assert profile.name == "vslurm" and profile.gpus_per_node == 8
+    assert (placement.trainer_ranks_per_node, placement.inference_servers, placement.inference_gpus_per_server) == (2, 1, 0)
+    assert placement.orchestrator == "cpu_partition"
+    by_name = {g.name: g for g in groups}
+    assert by_name["orchestrator"].partition == "cpu" and by_name["trainer"].partition == "gpu"
+    assert all(g.gpus_per_node == 0 for g in groups)
+    # the plan report agrees with what is launched
+    report = json.loads(subprocess.run([*RLCTL, "plan", TINY, ON_VSLURM, "--json"], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert report["placement"] == placement.to_dict() and report["fits"]
+
+
+def sacct_states(job: str) -> dict[str, str]:
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "JobID,State"], capture_output=True, text=True,
+                         check=True).stdout
+    return dict(line.split("|")[:2] for line in out.splitlines() if line.strip())
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_tiny_recipe_learns_as_a_het_job(vslurm, tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run([*RLCTL, "launch", TINY, ON_VSLURM, "--cluster", vslurm, "--name", "e2e-slurm",
+                           "-o", f"deployment.output_dir={tmp_path}", "-o", f"orchestrator.max_steps={STEPS}", "--wait"],
+                          capture_output=True, text=True, timeout=600)
+    took = time.monotonic() - t0
+    run = tmp_path / "e2e-slurm"
+    manifest = json.loads((run / "run.json").read_text())
+    job = manifest["job_id"]
+    try:
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    assert manifest["scheduler"] == "slurm"
+    states = sacct_states(job)
+    assert sorted(states) == [f"{job}+0", f"{job}+1", f"{job}+2"], states
+    assert set(states.values()) == {"COMPLETED"}, states
+
+    # The server bound to its node's address (not 0.0.0.0) and ran the CPU build of vLLM.
+    server = json.loads((run / "services" / "inference" / "0.json").read_text())
+    assert "0.0.0.0" not in server["url"] and server["host"]
+    inference_log = next((run / "logs" / "latest" / "inference").glob("inference.0.log")).read_text()
+    assert "Application startup complete" in inference_log
+
+    trainer, orch = metrics(run)
+    assert_contract_keys(trainer, orch)
+    assert [r["step"] for r in orch] == list(range(STEPS)) and [r["step"] for r in trainer] == list(range(STEPS))
+    rewards = [r["reward_mean"] for r in orch]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    assert last >= first + 0.25, f"reward did not rise: {rewards}"
+    mon = monitor_json(run)
+    assert mon["state"] == "completed" and mon["steps_done"] == STEPS, mon
+    print(f"tiny-cpu on vslurm: {took:.0f}s wall, reward first-3 {first:.3f} -> last-5 {last:.3f}")
