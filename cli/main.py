@@ -15,7 +15,7 @@ app = typer.Typer(
 )
 
 # Modules under rlctl.cli that define `register(app)`; order is the order in `--help`.
-COMMAND_MODULES = ("plan", "recipes", "launch", "monitor")
+COMMAND_MODULES = ("plan", "recipes", "launch", "monitor", "resume")
 
 
 def _version_callback(value: bool) -> None:

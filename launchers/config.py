@@ -52,6 +52,12 @@ class SmokeConfig(StrictModel):
     """Seconds before the failing rank exits."""
     exit_code: int = 3
     """Exit code of the failing rank."""
+    steps: int = 0
+    """With steps > 0 the smoke trainer (rank 0) counts `steps` training steps of `step_s` seconds with
+    checkpoints every `checkpoint.interval`, resumes from RLCTL_RESUME_STEP, checkpoints and stops on
+    `<run>/PREEMPT`, and writes DONE after the last step (fault drills of checkpoint/requeue)."""
+    step_s: float = 0.5
+    """Seconds per smoke training step."""
 
     @field_validator("fail_group")
     @classmethod
@@ -77,7 +83,9 @@ class DeploymentConfig(StrictModel):
     grace_period_s: int = 120
     """After a component fails, seconds the others get to finish (e.g. a checkpoint) before being stopped."""
     max_restarts: int = 3
-    """Automatic requeues after preemption or timeout."""
+    """Automatic requeues after preemption, timeout or node failure (Slurm); each resumes from the newest complete checkpoint."""
+    preempt_signal_s: int = 300
+    """Seconds before the time limit Slurm sends USR2 to the batch script (trainer checkpoints, job requeues); must exceed a trainer step + checkpoint."""
     output_dir: str | None = None
     """Root of run directories (default: the profile's shared filesystem path, else ./runs)."""
     trainer: GroupResources = GroupResources()
@@ -108,7 +116,7 @@ class DeploymentConfig(StrictModel):
             raise ValueError(f"{info.field_name} must be >= 1 or 'auto'")
         return v
 
-    @field_validator("grace_period_s", "max_restarts")
+    @field_validator("grace_period_s", "max_restarts", "preempt_signal_s")
     @classmethod
     def _non_negative(cls, v: int, info) -> int:
         if v < 0:

@@ -113,9 +113,11 @@ class ComponentTask:
     def __call__(self) -> dict:
         from rlctl.launchers.rundir import RunDir
 
-        env = slurm_task_env(self.group, self.run_dir, self.attempt)
+        # a requeued job runs the same pickles as its next attempt (the batch script exports it)
+        attempt = int(os.environ.get("RLCTL_ATTEMPT", self.attempt))
+        env = slurm_task_env(self.group, self.run_dir, attempt)
         rank = int(env["RLCTL_RANK"])
-        log = RunDir(Path(self.run_dir)).log_path(self.attempt, self.group.name, f"{self.group.name}.{rank}")
+        log = RunDir(Path(self.run_dir)).log_path(attempt, self.group.name, f"{self.group.name}.{rank}")
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab", buffering=0) as out:
             child = subprocess.Popen(component_command(self.group.module, self.run_dir),

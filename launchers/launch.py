@@ -145,22 +145,38 @@ def manifest(run: RunDir, name: str, scheduler: str, attempt: int, recipe, place
     }
 
 
-def slurm_executor(run: RunDir, groups: list[JobGroup], name: str, attempt: int, grace: int):
+def _script_env(run: RunDir, attempt: int, extra_env: dict | None) -> dict[str, str]:
+    return {"RLCTL_RUN_DIR": str(run.root), "RLCTL_ATTEMPT": str(attempt), **(extra_env or {})}
+
+
+def _requeue(recipe) -> dict:
+    return {"max_restarts": recipe.deployment.max_restarts, "signal_s": recipe.deployment.preempt_signal_s}
+
+
+def slurm_executor(run: RunDir, groups: list[JobGroup], name: str, attempt: int, grace: int,
+                   extra_env: dict | None = None, requeue: dict | None = None):
     from rlctl.launchers.hetjob import HetSlurmExecutor
 
     return HetSlurmExecutor(
         run.root / "submitit" / f"attempt_{attempt}", groups, job_name=f"rlctl-{name}",
         batch_log=run.attempt_logs(attempt) / "slurm-%j.out", grace_period_s=grace,
-        env={"RLCTL_RUN_DIR": str(run.root), "RLCTL_ATTEMPT": str(attempt)})
+        env=_script_env(run, attempt, extra_env), requeue=requeue)
 
 
 def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None = None,
-           dry_run: bool = False, resume: bool = False) -> LaunchResult:
+           dry_run: bool = False, resume: bool = False, run_dir: Path | None = None,
+           extra_env: dict | None = None) -> LaunchResult:
+    """`run_dir` continues that existing run (next attempt, used by `rlctl resume`); `extra_env` is
+    added to every task's environment (e.g. RLCTL_RESUME_STEP)."""
     recipe, profile, placement, groups = load_for_launch(refs, overrides, cluster)
     if profile.scheduler == "slurm" and not dry_run and shutil.which("sbatch") is None:
         raise RecipeError(f"profile {profile.name!r} submits to Slurm but sbatch is not on PATH "
                           "(use --cluster local to run on this machine)", key="cluster.profile")
-    root_dir, attempt = _pick_run_dir(output_root(recipe, profile), recipe.name, name, resume)
+    if run_dir is not None:
+        root_dir = Path(run_dir)
+        attempt = int(RunDir(root_dir).read_manifest().get("attempt", 0)) + 1
+    else:
+        root_dir, attempt = _pick_run_dir(output_root(recipe, profile), recipe.name, name, resume)
     run = RunDir(root_dir)
     previous = run.read_manifest() if attempt else None
     run.create()
@@ -179,8 +195,8 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
             ex_folder = run.root / "submitit" / f"attempt_{attempt}"
             text = render_het_script(groups, ex_folder, shlex_python(), job_name=f"rlctl-{run_name}",
                                      batch_log=run.attempt_logs(attempt) / "slurm-%j.out",
-                                     grace_period_s=grace,
-                                     env={"RLCTL_RUN_DIR": str(run.root), "RLCTL_ATTEMPT": str(attempt)})
+                                     grace_period_s=grace, env=_script_env(run, attempt, extra_env),
+                                     requeue=_requeue(recipe))
             atomic_write_bytes(script, text.encode())
             result.script = script
             atomic_write_json(run.manifest, info)
@@ -188,7 +204,7 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
         _maybe_build_model(run, recipe)
         from rlctl.launchers.env import ComponentTask
 
-        executor = slurm_executor(run, groups, run_name, attempt, grace)
+        executor = slurm_executor(run, groups, run_name, attempt, grace, extra_env, _requeue(recipe))
         atomic_write_bytes(script, executor.script_text().encode())
         from submitit.core.utils import FailedJobError
 
@@ -213,7 +229,7 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
         _maybe_build_model(run, recipe)
         from rlctl.launchers.local import start_supervisor
 
-        result.supervisor_pid = start_supervisor(run, attempt)
+        result.supervisor_pid = start_supervisor(run, attempt, extra_env)
         info["supervisor_pid"] = result.supervisor_pid
     info["attempts"].append({"attempt": attempt, "job_id": result.job_id, "submit_time": info["submit_time"]})
     atomic_write_json(run.manifest, info)

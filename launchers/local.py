@@ -31,7 +31,8 @@ def status_dir(run: RunDir) -> Path:
     return run.root / "status"
 
 
-def start_supervisor(run: RunDir, attempt: int) -> int:
+def start_supervisor(run: RunDir, attempt: int, extra_env: dict | None = None) -> int:
+    """`extra_env` reaches every task (the supervisor passes its environment on)."""
     log = run.attempt_logs(attempt) / "supervisor.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     status_dir(run).mkdir(exist_ok=True)
@@ -40,7 +41,7 @@ def start_supervisor(run: RunDir, attempt: int) -> int:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rlctl.launchers.local", "--run-dir", str(run.root), "--attempt", str(attempt)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            close_fds=True)
+            close_fds=True, env={**os.environ, **(extra_env or {})})
     return proc.pid
 
 

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smoke {group} rank {rank}: failing on purpose", flush=True)
         return int(smoke.get("exit_code", 3))
 
+    steps = int(smoke.get("steps", 0))
+    if group == "trainer" and steps:
+        return _smoke_training(run, recipe, rank, steps, float(smoke.get("step_s", 0.5)))
     if group == "inference":
         host = os.environ["RLCTL_BIND_HOST"]
         url = f"http://{host}:{_free_port(host)}"
@@ -84,9 +87,49 @@ def main(argv: list[str] | None = None) -> int:
         run.announce("router", "0", router)
         record["saw"] = {"inference": [a["url"] for a in run.announced("inference")], "router": router["url"]}
         atomic_write_json(out, record)
-        time.sleep(float(smoke.get("run_s", 1.0)))
-        atomic_write_json(run.root / "DONE", {"time": time.time(), "by": "smoke"})
+        if steps:  # the smoke trainer ends the run
+            _wait_done(run)
+        else:
+            time.sleep(float(smoke.get("run_s", 1.0)))
+            atomic_write_json(run.root / "DONE", {"time": time.time(), "by": "smoke"})
     print(f"smoke {group} rank {rank}: clean exit", flush=True)
+    return 0
+
+
+def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: float) -> int:
+    """A step counter with the real checkpoint protocol (parts + markers, PREEMPT, resume step)."""
+    from rlctl.launchers.checkpoints import TRAINER, is_complete, write_part
+    from rlctl.launchers.rundir import append_jsonl
+
+    preempt, done = run.root / "PREEMPT", run.root / "DONE"
+    if rank != 0:
+        while not (done.exists() or preempt.exists()):
+            time.sleep(0.2)
+        return 0
+    value = os.environ.get("RLCTL_RESUME_STEP", "")
+    start = int(value) if value.isdigit() else 0
+    if start and not is_complete(run.checkpoints, start):
+        print(f"smoke trainer: error: no complete checkpoint step_{start}", flush=True)
+        return 2
+    interval = int(recipe.get("checkpoint", {}).get("interval", 0))
+    attempt = int(os.environ.get("RLCTL_ATTEMPT", "0"))
+
+    def save(step: int) -> None:
+        write_part(run.checkpoints, step, TRAINER, {"state.json": json.dumps({"step": step}).encode()})
+
+    print(f"smoke trainer: steps {start}..{steps - 1} (attempt {attempt})", flush=True)
+    for step in range(start, steps):
+        if preempt.exists():
+            save(step)
+            print(f"smoke trainer: preempted, checkpoint step_{step} saved", flush=True)
+            return 0
+        time.sleep(step_s)
+        append_jsonl(run.metrics, {"component": "trainer", "step": step, "time": time.time(),
+                                   "reward_mean": round(step / steps, 6), "attempt": attempt})
+        if interval and (step + 1) % interval == 0:
+            save(step + 1)
+    atomic_write_json(done, {"time": time.time(), "by": "smoke trainer", "steps": steps})
+    print("smoke trainer: DONE", flush=True)
     return 0
 
 

@@ -8,7 +8,10 @@
    weights `weights/step_{last + 1}` (the trainer exits on DONE, so writing DONE earlier could stop it
    before it trains the last batch), then writes `<run>/DONE`, stops the router and exits 0.
 
-Resume: batches already complete in `rollouts/` are not regenerated; the loop starts after the last one.
+Resume: with `RLCTL_RESUME_STEP=N` the loop starts at batch N with the sampler/environment state saved
+in `checkpoints/step_N/orchestrator` (written before each batch, see `launchers/checkpoints.py`);
+without it, batches already complete in `rollouts/` are not regenerated. The weight watcher applies
+the newest published weights at start, so resumed servers serve the resumed policy before batch N.
 """
 from __future__ import annotations
 
@@ -86,8 +89,8 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
 
     cfg = recipe.orchestrator
     env = load_environment(cfg.environment.name, cfg.environment.args)
-    done_batches = complete_steps(run.rollouts)
-    start_step = done_batches[-1] + 1 if done_batches else 0
+    start_step = resume_start_step(run)
+    rng, base_counters = restore_progress(run, cfg.seed, env, start_step)
     end_step = cfg.max_steps
     policy = PolicyVersion(0)  # servers start from the initial weights (= weights/step_0)
     reload, close = inference_reloader(server_urls, token)
@@ -105,6 +108,14 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
             f"dropped {metrics['dropped_groups']}  {metrics['rollouts_per_s']:.0f} rollouts/s  "
             f"wait policy {metrics['wait_policy_s']:.2f}s")
 
+    def save_progress(step: int, state: dict) -> None:
+        """State after batch `step` = checkpoint part `step + 1`; written before the batch itself."""
+        from rlctl.launchers.checkpoints import newest_complete, prune_progress, save_orchestrator_state
+
+        counters = {k: base_counters.get(k, 0) + v for k, v in state["counters"].items()}
+        save_orchestrator_state(run.checkpoints, step + 1, {**state, "counters": counters})
+        prune_progress(run.checkpoints, newest_complete(run.checkpoints) or 0)
+
     watch_task = asyncio.create_task(watcher.run())
     try:
         if start_step < end_step:
@@ -112,7 +123,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
             settings = LoopSettings.from_config(cfg, start_step=start_step)
             settings.max_steps = end_step - start_step
             loop = RolloutLoop(settings, env, router_url, token, policy, run.rollouts,
-                               rng=random.Random(cfg.seed * 1_000_003 + start_step), on_batch=on_batch)
+                               rng=rng, on_batch=on_batch, before_write=save_progress)
             await _until_first(loop.run(), watch_task)
         log(f"all {end_step} batches written; waiting for the trainer's final weights step_{end_step}")
         deadline = time.monotonic() + WAIT_FINAL_WEIGHTS_S
@@ -126,6 +137,37 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
         watch_task.cancel()
         await asyncio.gather(watch_task, return_exceptions=True)
         await close()
+
+
+def resume_start_step(run: RunDir) -> int:
+    """First batch to collect: the resume step when one is given (`RLCTL_RESUME_STEP`, set by
+    `rlctl resume` and requeued jobs, which also removed newer batches), else after the last batch."""
+    from rlctl.launchers.checkpoints import newest_complete
+
+    value = os.environ.get("RLCTL_RESUME_STEP", "")
+    if value == "latest":
+        value = str(newest_complete(run.checkpoints) or 0)
+    if value.isdigit():
+        return int(value)
+    done_batches = complete_steps(run.rollouts)
+    return done_batches[-1] + 1 if done_batches else 0
+
+
+def restore_progress(run: RunDir, seed: int, env, start_step: int) -> tuple[random.Random, dict]:
+    """Sampler and environment as saved in `checkpoints/step_<start>/orchestrator` (the prompt stream
+    then continues exactly), or a sampler derived from (seed, step) when nothing was saved."""
+    from rlctl.launchers.checkpoints import fallback_rng, load_orchestrator_state
+
+    state = load_orchestrator_state(run.checkpoints, start_step) if start_step else None
+    if state is None:
+        if start_step:
+            log(f"no saved orchestrator state for step {start_step}: sampler derived from (seed, step)")
+        return fallback_rng(seed, start_step), {}
+    rng = random.Random()
+    rng.setstate(state["rng"])
+    env.load_state_dict(state.get("environment") or {})
+    log(f"restored sampler and environment state of step {start_step}")
+    return rng, dict(state.get("counters") or {})
 
 
 async def _until_first(main, watch_task: asyncio.Task) -> None:

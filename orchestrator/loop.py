@@ -102,7 +102,8 @@ class StepStats:
 class RolloutLoop:
     def __init__(self, settings: LoopSettings, env: Environment, url: str, token: str | None,
                  policy: PolicyVersion, rollouts_dir: Path, rng: random.Random | None = None,
-                 on_batch: Callable[[int, list[Group], dict], None] | None = None):
+                 on_batch: Callable[[int, list[Group], dict], None] | None = None,
+                 before_write: Callable[[int, dict[str, Any]], None] | None = None):
         self.s = settings
         self.env = env
         self.url = url.rstrip("/")
@@ -111,6 +112,8 @@ class RolloutLoop:
         self.rollouts_dir = Path(rollouts_dir)
         self.rng = rng or random.Random(0)
         self.on_batch = on_batch
+        self.before_write = before_write  # (step, progress_state(step + 1)) before batch `step` is written
+        self._rng_at: dict[int, tuple] = {}  # sampler state before the first group of each batch
         self.end_step = settings.start_step + settings.max_steps
         self.started = 0  # groups dispatched
         self.dropped = 0  # groups dropped as stale (each one is replaced)
@@ -150,6 +153,7 @@ class RolloutLoop:
                         w.cancel()
                 continue
             self._gate_open.setdefault(batch, time.monotonic())
+            self._rng_at.setdefault(batch, self.rng.getstate())
             prompt = self.env.sample_prompts(self.rng, 1)[0]
             group_id = self.started
             self.started += 1
@@ -276,6 +280,15 @@ class RolloutLoop:
             "tokens": tokens,
         }
 
+    def progress_state(self, next_step: int) -> dict[str, Any]:
+        """What a resumed loop needs to continue at batch `next_step` with the same prompt stream."""
+        rng = self._rng_at.get(next_step) or self.rng.getstate()
+        for old in [b for b in self._rng_at if b < next_step]:
+            del self._rng_at[old]
+        return {"rng": rng, "environment": self.env.state_dict(),
+                "counters": {"groups_started": self.started, "groups_dropped": self.dropped,
+                             "completed_tokens": self.completed_tokens, "request_retries": self.retries}}
+
     async def run(self) -> None:
         """Produce batches start_step .. start_step + max_steps - 1, then cancel what is still in flight."""
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -284,6 +297,8 @@ class RolloutLoop:
             try:
                 for step in range(self.s.start_step, self.end_step):
                     groups, stats = await self._collect(step)
+                    if self.before_write is not None:  # state taken here, between dispatches
+                        await asyncio.to_thread(self.before_write, step, self.progress_state(step + 1))
                     metrics = await asyncio.to_thread(self._write, step, groups, stats)
                     if self.on_batch is not None:
                         self.on_batch(step, groups, metrics)

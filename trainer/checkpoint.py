@@ -24,12 +24,11 @@ def trainer_part(checkpoints: Path, step: int) -> Path:
 
 
 def complete_checkpoints(checkpoints: Path) -> list[int]:
-    """Steps whose trainer part is complete, ascending."""
-    checkpoints = Path(checkpoints)
-    if not checkpoints.is_dir():
-        return []
-    steps = [parse_step(p.name) for p in checkpoints.iterdir()]
-    return sorted(s for s in steps if s is not None and (trainer_part(checkpoints, s) / MARKER).exists())
+    """Complete steps, ascending: the trainer part and any other part present carry their markers
+    (one rule for every component: `rlctl.launchers.checkpoints`)."""
+    from rlctl.launchers.checkpoints import complete_checkpoints as complete
+
+    return complete(checkpoints)
 
 
 def _barrier() -> None:
@@ -86,10 +85,18 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
         stage.mkdir(parents=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(stage))
-    extra = stage / f"extra_rank{rank}.pt"
-    torch.save({"step": step, "rng": _rng_state(), "scheduler": scheduler.state_dict()}, extra)
-    _fsync(extra)
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(stage))
+        extra = stage / f"extra_rank{rank}.pt"
+        torch.save({"step": step, "rng": _rng_state(), "scheduler": scheduler.state_dict()}, extra)
+        _fsync(extra)
+    except Exception as exc:  # e.g. ENOSPC / EFBIG; DCP raises on every rank when one fails
+        shutil.rmtree(stage, ignore_errors=True)  # give the space back; the marker was never written
+        have = complete_checkpoints(checkpoints)
+        raise CheckpointWriteError(
+            f"checkpoint step_{step} could not be written to {stage.parent}: {_root_cause(exc)}; "
+            f"the previous complete checkpoint ({'step_' + str(have[-1]) if have else 'none'}) is intact"
+        ) from exc
     _barrier()
     if rank == 0:
         _fsync(stage)
@@ -104,6 +111,24 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
         prune(checkpoints, keep_last)
     _barrier()
     return final
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, quota, I/O error); nothing partial is visible."""
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost OSError of a (DCP-wrapped) failure, as one line."""
+    seen = exc
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, OSError):
+            return f"{type(e).__name__}: [Errno {e.errno}] {e.strerror or e}"
+        stack += [c for c in (e.__cause__, e.__context__) if c is not None]
+        stack += [v for v in getattr(e, "failures", {}).values() if isinstance(v, BaseException)]
+        stack += [v[0] for v in getattr(e, "failures", {}).values() if isinstance(v, tuple) and v and isinstance(v[0], BaseException)]
+    return f"{type(seen).__name__}: {str(seen).splitlines()[0] if str(seen) else ''}"
 
 
 def prune(checkpoints: Path, keep_last: int) -> list[int]:
@@ -130,7 +155,7 @@ def require_complete(checkpoints: Path, step: int) -> Path:
     from rlctl.recipes.errors import RecipeError
 
     final = trainer_part(checkpoints, step)
-    if not (final / MARKER).exists():
+    if step not in complete_checkpoints(checkpoints):
         have = complete_checkpoints(checkpoints)
         raise RecipeError(
             f"no complete trainer checkpoint for step {step} in {checkpoints} (complete: {have or 'none'})",

@@ -17,8 +17,11 @@ from pathlib import Path
 
 from rlctl.launchers.rundir import RunDir, append_jsonl, step_dir_name
 from rlctl.recipes.errors import RecipeError
+from rlctl.trainer.checkpoint import CheckpointWriteError
 
 DONE_FILE = "DONE"
+PREEMPT_FILE = "PREEMPT"  # a preemption/timeout signal arrived: checkpoint at the current step and stop
+PREEMPTED = object()
 
 
 class Trainer:
@@ -160,7 +163,9 @@ class Trainer:
         ckpt = self.recipe.checkpoint
         for step in range(self.start_step, self.max_steps):
             t_wait = time.perf_counter()
-            folder = wait_for_batch(self.run.rollouts, step, self.cfg.batch_timeout_s, stop_file=done)
+            folder = self._wait_batch_or_preempt(step, done)
+            if self._agree_on_preemption(folder is PREEMPTED):
+                return self._checkpoint_and_stop(step)
             if folder is None:
                 self.log(f"{DONE_FILE} appeared before rollouts/{step_dir_name(step)}: stopping at step {step}")
                 return 0
@@ -192,6 +197,42 @@ class Trainer:
         self.log(f"finished: trained steps {self.start_step}..{self.max_steps - 1}")
         return 0
 
+    # ---- preemption: `<run>/PREEMPT` (written by the Slurm batch script on USR2) ----------------
+    def _wait_batch_or_preempt(self, step: int, done: Path):
+        """The batch folder of `step`, None on DONE, or PREEMPTED when a preemption was requested."""
+        from rlctl.orchestrator.rollouts import wait_for_batch
+
+        deadline = time.monotonic() + self.cfg.batch_timeout_s
+        preempt = self.run.root / PREEMPT_FILE
+        while True:
+            if preempt.exists():
+                return PREEMPTED
+            try:
+                return wait_for_batch(self.run.rollouts, step, min(1.0, max(0.0, deadline - time.monotonic())),
+                                      stop_file=done)
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+
+    def _agree_on_preemption(self, mine: bool) -> bool:
+        """All ranks take the same branch: one sees the request, another the batch (a collective)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if mine or (self.run.root / PREEMPT_FILE).exists() else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _checkpoint_and_stop(self, step: int) -> int:
+        """Preempted before training batch `step`: save the state after `step` trained steps, exit 0."""
+        from rlctl.trainer.checkpoint import save_checkpoint
+
+        t0 = time.perf_counter()
+        save_checkpoint(self.run.checkpoints, step, self.model, self.optimizer, self.scheduler, self.rank,
+                        self.recipe.checkpoint.keep_last)
+        self.log(f"preemption requested: checkpoint step_{step} saved in {time.perf_counter() - t0:.3f}s; stopping")
+        return 0
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rlctl.trainer", description="rlctl FSDP2 trainer (one process per rank)")
@@ -216,6 +257,9 @@ def main(argv=None) -> int:
     except RecipeError as exc:
         print(f"trainer rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         code = RecipeError.exit_code
+    except CheckpointWriteError as exc:
+        print(f"trainer rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        code = 1
     except Exception as exc:  # noqa: BLE001 - the log gets the traceback, the last line says what failed
         traceback.print_exc()
         print(f"trainer rank {rank}: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,50 @@
+"""`rlctl resume RUN`: continue a stopped run from its newest complete checkpoint (a new attempt)."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from rlctl.cli.common import print_json, user_errors
+
+
+def resume_cmd(
+    run: str = typer.Argument(..., help="Run directory or run name."),
+    step: Optional[int] = typer.Option(None, "--step", help="Resume from checkpoints/step_N (default: the newest complete one)."),
+    source: Optional[str] = typer.Option(None, "--from", help="Start from another run's checkpoint: OTHER_RUN/checkpoints/step_N."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the new attempt until it ends; exit non-zero if it failed."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Start the next attempt of a run that is no longer running, from its newest complete checkpoint:
+    newer rollouts, weights and metrics lines are removed so step numbers stay contiguous."""
+    from pathlib import Path
+
+    from rlctl.cli.launch import _wait_local, _wait_slurm
+    from rlctl.launchers.launch import resolve_run
+    from rlctl.launchers.resume import resume
+    from rlctl.recipes.errors import RecipeError
+
+    if step is not None and source is not None:
+        raise RecipeError("--step and --from exclude each other (--from names its step)", key="--step")
+    if step is not None and step < 0:
+        raise RecipeError(f"--step must be >= 0 (got {step})", key="--step")
+    rd = resolve_run(run)
+    result, plan = resume(rd, step, Path(source) if source else None)
+    if as_json:
+        print_json({"run_dir": str(result.run.root), "attempt": result.attempt, "scheduler": result.scheduler,
+                    "job_id": result.job_id, "supervisor_pid": result.supervisor_pid, **plan.to_dict()})
+    else:
+        typer.echo(plan.describe())
+        who = f"job {result.job_id}" if result.job_id else f"local supervisor pid {result.supervisor_pid}"
+        typer.echo(f"attempt {result.attempt} started: {who}; logs: {result.run.logs / 'latest'}")
+    sys.stdout.flush()
+    if wait:
+        rc = _wait_slurm(result, as_json) if result.job_id else _wait_local(result)
+        if not as_json:
+            typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc})")
+        raise typer.Exit(rc)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("resume")(user_errors(resume_cmd))
