@@ -1,0 +1,176 @@
+"""Resume semantics without starting a run: which checkpoints are complete, how a run dir is rewound,
+orchestrator state round trip, requeue bookkeeping, the sbatch script's requeue path, CLI refusals."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlctl.launchers.checkpoints import (complete_checkpoints, fallback_rng, is_complete, load_orchestrator_state,
+                                         newest_complete, save_orchestrator_state, write_part)
+from rlctl.launchers.resume import prepare_requeued, rewind
+from rlctl.launchers.rundir import MARKER, RunDir, append_jsonl, atomic_write_json
+from rlctl.recipes.errors import RecipeError
+from rlctl.trainer.checkpoint import prune
+
+REPO = Path(__file__).resolve().parents[1]
+RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
+
+
+def trainer_part(run: RunDir, step: int, complete: bool = True) -> None:
+    part = run.checkpoints / f"step_{step}" / "trainer"
+    part.mkdir(parents=True)
+    (part / "__0_0.distcp").write_bytes(b"x")
+    if complete:
+        (part / MARKER).write_text("{}")
+
+
+def step_dirs(parent: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in parent.glob("step_*"))
+
+
+def test_a_step_is_complete_only_with_every_present_part_marked(tmp_path):
+    run = RunDir(tmp_path)
+    run.create()
+    trainer_part(run, 2)                                   # trainer only (trainer-only runs): complete
+    trainer_part(run, 4)
+    (run.checkpoints / "step_4" / "orchestrator").mkdir()  # renamed but no marker yet: incomplete
+    save_orchestrator_state(run.checkpoints, 6, {"rng": random.Random(1).getstate(), "environment": {}, "counters": {}})
+    trainer_part(run, 8, complete=False)                    # torn trainer part
+    trainer_part(run, 10)
+    save_orchestrator_state(run.checkpoints, 10, {"rng": random.Random(1).getstate(), "environment": {}, "counters": {}})
+    assert complete_checkpoints(run.checkpoints) == [2, 10]
+    assert newest_complete(run.checkpoints) == 10 and not is_complete(run.checkpoints, 6)
+    assert prune(run.checkpoints, keep_last=1) == [2, 4, 6, 8]
+    assert step_dirs(run.checkpoints) == [10]
+
+
+def test_orchestrator_state_round_trip_replays_the_prompt_stream(tmp_path):
+    rng = random.Random(7)
+    rng.random()
+    saved = rng.getstate()
+    expected = [rng.random() for _ in range(5)]
+    save_orchestrator_state(tmp_path, 3, {"rng": saved, "environment": {"cursor": 9}, "counters": {"groups_started": 4}})
+    state = load_orchestrator_state(tmp_path, 3)
+    restored = random.Random()
+    restored.setstate(state["rng"])
+    assert [restored.random() for _ in range(5)] == expected
+    assert state["environment"] == {"cursor": 9} and state["counters"] == {"groups_started": 4}
+    assert load_orchestrator_state(tmp_path, 4) is None
+    assert fallback_rng(0, 5).random() == fallback_rng(0, 5).random()
+
+
+def make_history(tmp_path: Path) -> RunDir:
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for step in range(8):
+        (run.rollouts / f"step_{step}").mkdir()
+        (run.rollouts / f"step_{step}" / MARKER).write_text("{}")
+        append_jsonl(run.metrics, {"component": "orchestrator", "step": step, "reward_mean": step / 10})
+        append_jsonl(run.metrics, {"component": "trainer", "step": step, "loss": 0.0})
+    for step in range(9):
+        (run.weights / f"step_{step}").mkdir()
+        (run.weights / f"step_{step}" / MARKER).write_text("{}")
+    with open(run.metrics, "a") as f:
+        f.write('{"component": "trainer", "st')  # a writer killed mid-line
+    trainer_part(run, 3)
+    trainer_part(run, 6)
+    trainer_part(run, 7, complete=False)
+    (run.root / "DONE").write_text("{}")
+    (run.root / "PREEMPT").write_text("{}")
+    return run
+
+
+def test_rewind_to_the_newest_complete_checkpoint(tmp_path):
+    run = make_history(tmp_path)
+    plan = rewind(run)
+    assert (plan.step, plan.from_checkpoint) == (6, True)
+    assert step_dirs(run.rollouts) == list(range(6))
+    assert step_dirs(run.weights) == list(range(7))
+    assert step_dirs(run.checkpoints) == [3, 6]
+    lines = [json.loads(x) for x in run.metrics.read_text().splitlines()]
+    assert sorted({r["step"] for r in lines}) == list(range(6)) and len(lines) == 12
+    assert not (run.root / "DONE").exists() and not (run.root / "PREEMPT").exists()
+    assert "resuming from checkpoint step_6" in plan.describe()
+
+
+def test_rewind_to_an_older_step_drops_the_abandoned_future(tmp_path):
+    run = make_history(tmp_path)
+    plan = rewind(run, step=3)
+    assert plan.step == 3 and step_dirs(run.checkpoints) == [3] and step_dirs(run.weights) == [0, 1, 2, 3]
+    with pytest.raises(RecipeError, match="step_5 .* is not complete .*complete: 3"):
+        rewind(run, step=5)
+
+
+def test_without_a_checkpoint_the_run_restarts_from_step_0(tmp_path):
+    run = make_history(tmp_path)
+    for step in (3, 6, 7):
+        (run.checkpoints / f"step_{step}" / "trainer" / MARKER).unlink(missing_ok=True)
+    plan = rewind(run)
+    assert (plan.step, plan.from_checkpoint) == (0, False)
+    assert "no complete checkpoint: restarting from step 0" in plan.describe()
+    assert step_dirs(run.rollouts) == [] and step_dirs(run.weights) == [0] and step_dirs(run.checkpoints) == []
+    assert run.metrics.read_text() == ""
+
+
+def test_resume_from_another_runs_checkpoint_takes_its_history(tmp_path):
+    source = make_history(tmp_path / "a")
+    target = RunDir(tmp_path / "b")
+    target.create()
+    plan = rewind(target, source=source.checkpoints / "step_3")
+    assert plan.step == 3 and is_complete(target.checkpoints, 3)
+    assert sorted({json.loads(x)["step"] for x in target.metrics.read_text().splitlines()}) == [0, 1, 2]
+    with pytest.raises(RecipeError, match="not a complete checkpoint"):
+        rewind(target, source=source.checkpoints / "step_7")
+
+
+def test_requeued_job_records_the_next_attempt(tmp_path):
+    run = make_history(tmp_path)
+    atomic_write_json(run.manifest, {"name": "run", "attempt": 0, "job_id": "42", "attempts": [{"attempt": 0}]})
+    out = subprocess.run([sys.executable, "-m", "rlctl.launchers.resume", "--run-dir", str(run.root), "--requeued", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "6" and "resuming from checkpoint step_6" in out.stderr
+    manifest = run.read_manifest()
+    assert manifest["attempt"] == 1
+    assert manifest["attempts"][-1] == {"attempt": 1, "job_id": "42", "requeued": True, "resume_step": 6}
+    assert (run.logs / "latest").resolve().name == "attempt_1"
+
+
+def test_sbatch_script_requeues_and_resumes(tmp_path):
+    out = subprocess.run([*RLCTL, "launch", str(REPO / "recipes" / "smoke.toml"), "--cluster", "vslurm", "--dry-run",
+                          "-o", f"deployment.output_dir={tmp_path}", "-o", "deployment.max_restarts=2",
+                          "-o", "deployment.preempt_signal_s=90", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    script = Path(json.loads(out.stdout)["script"]).read_text()
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR2@90", "MAX_RESTARTS=2", "trap preempt USR2",
+                 "-m rlctl.launchers.resume", 'scontrol requeue "$SLURM_JOB_ID"'):
+        assert line in script, line
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    none = subprocess.run([*RLCTL, "launch", str(REPO / "recipes" / "smoke.toml"), "--cluster", "vslurm", "--dry-run",
+                           "-o", f"deployment.output_dir={tmp_path}", "-o", "deployment.max_restarts=0", "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert "#SBATCH --requeue" not in Path(json.loads(none.stdout)["script"]).read_text()
+
+
+def test_resume_refuses_a_running_run_and_bad_input(tmp_path):
+    run = make_history(tmp_path)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        atomic_write_json(run.manifest, {"name": "run", "scheduler": "local", "attempt": 0, "recipe": {}})
+        (run.root / "status").mkdir()
+        atomic_write_json(run.root / "status" / "supervisor.json",
+                          {"pid": sleeper.pid, "state": "running", "returncode": None, "time": time.time()})
+        out = subprocess.run([*RLCTL, "resume", str(run.root)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "is still" in out.stderr and "rlctl cancel" in out.stderr, out.stderr
+        assert step_dirs(run.rollouts) == list(range(8))  # nothing was touched
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    out = subprocess.run([*RLCTL, "resume", str(run.root), "--step", "3", "--from", "x"], capture_output=True, text=True)
+    assert out.returncode == 2 and "exclude each other" in out.stderr and "Traceback" not in out.stderr
