@@ -90,7 +90,9 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
         extra = stage / f"extra_rank{rank}.pt"
         torch.save({"step": step, "rng": _rng_state(), "scheduler": scheduler.state_dict()}, extra)
         _fsync(extra)
-    except Exception as exc:  # e.g. ENOSPC / EFBIG; DCP raises on every rank when one fails
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException; raised on every rank
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
         shutil.rmtree(stage, ignore_errors=True)  # give the space back; the marker was never written
         have = complete_checkpoints(checkpoints)
         raise CheckpointWriteError(
