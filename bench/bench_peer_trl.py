@@ -166,12 +166,12 @@ def main() -> None:
         print(json.dumps(rows, indent=2))
         return
     print(f"| side | start-up s | wall to reward {TARGET} s | steps to {TARGET} | reward first -> last (steps) "
-          "| rollout tok/s (loop) |")
-    print("|---|---|---|---|---|---|")
+          "| reward max | rollout tok/s (loop) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['side']} | {_fmt(r['startup_s'])} | {_fmt(r['wall_to_target_s'])} | {r['steps_to_target'] or '-'} "
               f"| {_fmt(r['reward_first'], '.3f')} -> {_fmt(r['reward_last'], '.3f')} ({r['steps']}) "
-              f"| {_fmt(r['rollout_tokens_per_s'], '.0f')} |")
+              f"| {_fmt(r['reward_max'], '.3f')} | {_fmt(r['rollout_tokens_per_s'], '.0f')} |")
 
 
 if __name__ == "__main__":
