@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import field_validator
 
 from rlctl.recipes.base import Degree, StrictModel, positive_degree
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlctl.launchers.rundir import MARKER, parse_step, step_dir_name
+from rlctl.launchers.rundir import MARKER, fsync_path, parse_step, step_dir_name
 
 TRAINER, ORCHESTRATOR = "trainer", "orchestrator"
 STATE_FILE = "state.json"
@@ -57,14 +57,6 @@ def newest_complete(checkpoints: Path) -> int | None:
     return done[-1] if done else None
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_part(checkpoints: Path, step: int, part: str, files: dict[str, bytes]) -> Path:
     """Write a small part (whole files in memory): stage, fsync, rename, then the marker."""
     final = step_path(checkpoints, step) / part
@@ -78,16 +70,21 @@ def write_part(checkpoints: Path, step: int, part: str, files: dict[str, bytes])
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-    _fsync(stage)
+    seal_part(stage, final, step)
+    return final
+
+
+def seal_part(stage: Path, final: Path, step: int) -> None:
+    """Make a fully written staged part visible: fsync, rename to its final name, marker last."""
+    fsync_path(stage)
     os.rename(stage, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     tmp = final / f".{MARKER}.tmp"
     with open(tmp, "w") as f:
         json.dump({"step": step, "time": time.time()}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final / MARKER)
-    return final
 
 
 # ---- the orchestrator's part --------------------------------------------------------------------

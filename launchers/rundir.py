@@ -30,6 +30,15 @@ from typing import Any
 MARKER = "COMPLETE"  # written last into a step directory; readers ignore directories without it
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write to a temp file in the same directory, fsync, then rename: readers see old or new, never partial."""
     path = Path(path)

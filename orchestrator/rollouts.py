@@ -28,9 +28,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from rlctl.launchers.rundir import MARKER, fsync_path
+
 FORMAT = "rlctl-rollouts-v1"
 BATCH_FILE = "batch.safetensors"
-MARKER = "COMPLETE"
 PAYLOAD_PREFIX = "payload."
 
 
@@ -70,13 +71,6 @@ def _layout(tensors: dict) -> tuple[dict, list]:
         offset += nbytes
     return specs, views
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_batch(rollouts_dir: Path, step: int, tensors: dict, meta: dict[str, Any]) -> Path:
@@ -131,7 +125,7 @@ def write_batch(rollouts_dir: Path, step: int, tensors: dict, meta: dict[str, An
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_dir(rollouts_dir)
+    fsync_path(rollouts_dir)
     marker = {"format": FORMAT, "step": step, "file": BATCH_FILE, "bytes": total, "checksum": checksum}
     tmp = final / f".{MARKER}.tmp"
     with open(tmp, "w") as f:
@@ -139,7 +133,7 @@ def write_batch(rollouts_dir: Path, step: int, tensors: dict, meta: dict[str, An
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final / MARKER)
-    _fsync_dir(final)
+    fsync_path(final)
     return final
 
 

@@ -8,7 +8,6 @@ and rewind are the real ones. Each run must end with contiguous steps 0..N-1 and
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlctl.launchers.checkpoints import (complete_checkpoints, fallback_rng, is_complete, load_orchestrator_state,
-                                         newest_complete, save_orchestrator_state, write_part)
-from rlctl.launchers.resume import prepare_requeued, rewind
+                                         newest_complete, save_orchestrator_state)
+from rlctl.launchers.resume import rewind
 from rlctl.launchers.rundir import MARKER, RunDir, append_jsonl, atomic_write_json
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.checkpoint import prune

@@ -8,13 +8,10 @@ written last. Other components may keep their own parts beside it (e.g. `step_N/
 """
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import time
 from pathlib import Path
 
-from rlctl.launchers.rundir import MARKER, parse_step, step_dir_name
+from rlctl.launchers.rundir import MARKER, fsync_path, parse_step, step_dir_name
 
 PART = "trainer"
 
@@ -37,13 +34,6 @@ def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict:
@@ -89,7 +79,7 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(stage))
         extra = stage / f"extra_rank{rank}.pt"
         torch.save({"step": step, "rng": _rng_state(), "scheduler": scheduler.state_dict()}, extra)
-        _fsync(extra)
+        fsync_path(extra)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException; raised on every rank
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -101,15 +91,9 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
         ) from exc
     _barrier()
     if rank == 0:
-        _fsync(stage)
-        os.rename(stage, final)
-        _fsync(final.parent)
-        tmp = final / f".{MARKER}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final / MARKER)
+        from rlctl.launchers.checkpoints import seal_part
+
+        seal_part(stage, final, step)
         prune(checkpoints, keep_last)
     _barrier()
     return final

@@ -154,7 +154,7 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> int:
-        from rlctl.orchestrator.rollouts import read_batch, wait_for_batch
+        from rlctl.orchestrator.rollouts import read_batch
         from rlctl.trainer.checkpoint import save_checkpoint
 
         publish_s = self.publish(self.start_step)

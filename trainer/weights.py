@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlctl.launchers.rundir import MARKER, complete_steps, step_dir_name
+from rlctl.launchers.rundir import MARKER, complete_steps, fsync_path, step_dir_name
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -26,13 +26,6 @@ def latest_complete(weights_dir: str | os.PathLike) -> int | None:
     steps = complete_steps(Path(weights_dir))
     return steps[-1] if steps else None
 
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def hf_state_dict(state: dict, config: dict) -> dict:
@@ -66,7 +59,7 @@ def publish_weights(weights_dir: str | os.PathLike, step: int, state: dict, conf
         save_file(hf_state_dict(state, config), str(stage / WEIGHTS_FILE), metadata={"format": "pt", "step": str(step)})
         (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for name in (WEIGHTS_FILE, CONFIG_FILE):
-            _fsync_path(stage / name)
+            fsync_path(stage / name)
         os.chmod(stage, 0o755)
         if final.exists():  # leftover of a writer that crashed between rename and marker
             shutil.rmtree(final)
