@@ -67,6 +67,9 @@ def test_two_rank_fsdp_trains_publishes_and_matches_reference(tmp_path):
     # max_steps beyond the batches written: the trainer must stop cleanly on DONE
     # activation checkpointing on (the recipe default elsewhere): it must not change names or numerics
     run = make_run(tmp_path / "run", ["orchestrator.max_steps=50", "trainer.micro_batch_size=3", "checkpoint.interval=0",
+                                      # pinned, not the recipe's tuned lr: Adam turns reduction-order noise in
+                                      # near-zero gradients into O(lr) updates, so the tolerance is set for this lr
+                                      "trainer.optimizer.lr=3e-3",
                                       "trainer.activation_checkpointing=true"])
     batch = synthetic_batch(run.model, rows=16)  # 8 rows per rank -> 3 micro-batches, the last one short
     write_batches(run, batch, range(steps))
