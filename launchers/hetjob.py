@@ -275,7 +275,7 @@ class HetSlurmExecutor(SlurmExecutor):
         return ["env", *unset, "sbatch", str(submission_file_path)]
 
     def _internal_process_submissions(self, delayed_submissions):
-        raise NotImplementedError("het jobs are submitted with submit_groups(), one callable per group")
+        raise TypeError("het jobs are submitted with submit_groups(), one callable per group")
 
     def script_text(self) -> str:
         return self._make_submission_file_text("", "dry-run")

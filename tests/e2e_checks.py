@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,3 +77,14 @@ def leftover_processes(run: Path) -> list[str]:
                 and _environ_mentions(int(proc.name), needle):
             left.append(f"env pid {proc.name}: {(proc / 'cmdline').read_bytes()[:120]!r}")
     return sorted(set(left))
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    """Poll until `predicate()` is truthy and return its value; fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")

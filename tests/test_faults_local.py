@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from rlctl.launchers.checkpoints import newest_complete
+from e2e_checks import wait_for
 from rlctl.launchers.status import pid_alive, run_state
 
 pytestmark = pytest.mark.slow
@@ -39,15 +40,6 @@ RECIPE = [str(REPO / "recipes" / "tiny-cpu.toml"), "--cluster", "local",
 def rlctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*RLCTL, *args], capture_output=True, text=True, timeout=timeout)
 
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def pid_of(run: Path, name: str) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rlctl.launchers.checkpoints import complete_checkpoints, is_complete
+from e2e_checks import wait_for
 from rlctl.launchers.status import run_state
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -46,15 +46,6 @@ def launch(tmp_path: Path, jobs: list, name: str) -> tuple[Path, str]:
     jobs.append(info["job_id"])
     return Path(info["run_dir"]), info["job_id"]
 
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def wait_ended(run: Path, timeout: float = 240):
