@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from e2e_checks import wait_for
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,10 +95,7 @@ def test_a_failing_component_stops_the_others_after_the_grace_period(tmp_path):
 def test_cancel_stops_every_process(tmp_path):
     out, run = launch(tmp_path, "-o", "deployment.smoke.run_s=600")
     assert out.returncode == 0, out.stderr
-    deadline = time.monotonic() + 60
-    while len(list((run / "smoke").glob("*.json"))) < 4:
-        assert time.monotonic() < deadline, "tasks did not start"
-        time.sleep(0.2)
+    wait_for(lambda: len(list((run / "smoke").glob("*.json"))) >= 4, 60, "the tasks to start")
     st = statuses(run)
     pids = [s["pid"] for s in st.values()]
     assert all(alive(p) for p in pids)
@@ -123,10 +122,7 @@ def test_existing_run_dir_is_refused_unless_resuming(tmp_path):
 def test_tasks_do_not_outlive_a_killed_supervisor(tmp_path):
     out, run = launch(tmp_path, "-o", "deployment.smoke.run_s=600")
     assert out.returncode == 0, out.stderr
-    deadline = time.monotonic() + 60
-    while len(list((run / "smoke").glob("*.json"))) < 4:
-        assert time.monotonic() < deadline, "tasks did not start"
-        time.sleep(0.2)
+    wait_for(lambda: len(list((run / "smoke").glob("*.json"))) >= 4, 60, "the tasks to start")
     st = statuses(run)
     os.kill(st["supervisor"]["pid"], 9)
     pids = [s["pid"] for name, s in st.items() if name != "supervisor"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e_checks import wait_for
 from rlctl.launchers.env import expand_nodelist
 from rlctl.launchers.hetjob import component_states, job_finished
 
@@ -66,16 +67,6 @@ def records(run: Path) -> dict[str, list[dict]]:
         rec = json.loads(p.read_text())
         out.setdefault(rec["group"], []).append(rec)
     return out
-
-
-def wait_for(cond, timeout: float, what: str, poll: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def processes_of(run: Path) -> list[int]:
@@ -156,7 +147,8 @@ def test_killing_one_group_ends_the_whole_job_within_the_grace_period(vslurm, tm
     victim = json.loads((run / "smoke" / "trainer.11.json").read_text())["pid"]
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    states = wait_for(lambda: (s := component_states(job)) and job_finished(s) and s, grace + 40, "the job to end")
+    states = wait_for(lambda: (s := component_states(job)) and job_finished(s) and s, grace + 40, "the job to end",
+                      poll=0.5)
     elapsed = time.monotonic() - t0
     assert elapsed < grace + 30, elapsed
     assert any(v["state"] != "COMPLETED" for v in states.values())
