@@ -84,8 +84,6 @@ class _Progress:
             self.summary = summarize(run_state(self.run_root), read_metrics(self.run_root / "metrics.jsonl"))
         except (OSError, ValueError):
             return  # a half-written status file; the next poll reads it whole
-        if not force and self.summary["state"] == "lost" and not self.summary["steps_done"]:
-            return  # the supervisor has not written its status yet
         line = progress_line(self.summary)
         if line != self.last_line:
             sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
@@ -103,13 +101,23 @@ class _Progress:
 
 def _wait_local(result, progress: _Progress) -> int:
     from rlctl.launchers.local import status_dir
+    from rlctl.launchers.status import pid_alive
 
     path = status_dir(result.run) / "supervisor.json"
-    while True:
+
+    def read() -> dict:
         try:
-            st = json.loads(path.read_text())
+            return json.loads(path.read_text())
         except (OSError, ValueError):
-            st = {}
+            return {}
+
+    while True:
+        st = read()
+        if st.get("pid") and not pid_alive(st["pid"], st.get("started")):
+            st = read()  # it may have written its end just before exiting
+            if st.get("state") not in ("exited", "cancelled"):
+                progress.update(force=True)
+                return 1  # killed before it could write its end
         if st.get("state") in ("exited", "cancelled"):
             return int(st.get("returncode") or 0)
         progress.update()

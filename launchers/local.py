@@ -36,12 +36,23 @@ def start_supervisor(run: RunDir, attempt: int, extra_env: dict | None = None) -
     log = run.attempt_logs(attempt) / "supervisor.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     status_dir(run).mkdir(exist_ok=True)
-    atomic_write_json(status_dir(run) / "supervisor.json", {"pid": None, "state": "starting", "returncode": None})
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlctl.launchers.local", "--run-dir", str(run.root), "--attempt", str(attempt)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            close_fds=True, env={**os.environ, **(extra_env or {})})
+    record = status_dir(run) / "supervisor.json"
+    # Replace the previous attempt's record first: it says "exited", which would read as this run's end.
+    atomic_write_json(record, {"pid": None, "state": "starting", "returncode": None, "attempt": attempt})
+    started = time.time()
+    try:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlctl.launchers.local", "--run-dir", str(run.root), "--attempt", str(attempt)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                close_fds=True, env={**os.environ, **(extra_env or {})})
+    except OSError:
+        atomic_write_json(record, {"pid": None, "state": "exited", "returncode": 1, "attempt": attempt})
+        raise
+    # The pid goes in now, not when the supervisor has imported (≈1 s later): until then a reader
+    # would see a live-looking record without a process and call the run lost.
+    atomic_write_json(record, {"pid": proc.pid, "state": "starting", "returncode": None, "attempt": attempt,
+                               "started": started})
     return proc.pid
 
 
@@ -115,13 +126,14 @@ class Supervisor:
         self.tasks = [Task(run, attempt, g, r, port) for g in groups for r in range(g.ntasks)]
         self.cancelled = False
         self.status = status_dir(run) / "supervisor.json"
+        self.started = time.time()
 
     def _on_signal(self, signum, _frame) -> None:
         self.cancelled = True
 
     def _write(self, state: str, rc: int | None) -> None:
         atomic_write_json(self.status, {"pid": os.getpid(), "state": state, "returncode": rc,
-                                        "attempt": self.attempt, "time": time.time()})
+                                        "attempt": self.attempt, "started": self.started, "time": time.time()})
 
     def log(self, msg: str) -> None:
         print(f"[rlctl {time.strftime('%H:%M:%S')}] {msg}", flush=True)

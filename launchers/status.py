@@ -207,6 +207,8 @@ def pid_alive(pid: int | None, started=None) -> bool:
 def _local_process_state(record: dict, here: str) -> str:
     state = record.get("state", "unknown")
     if state in ("starting", "running"):
+        if state == "starting" and record.get("pid") is None:
+            return state  # the launcher is spawning it this instant; the pid follows
         host = record.get("host")
         if host and host not in (here, "localhost", "127.0.0.1"):
             return state  # cannot check a pid on another host; trust the record

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from e2e_checks import wait_for
+from rlctl.launchers.status import run_state
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +96,9 @@ def test_a_failing_component_stops_the_others_after_the_grace_period(tmp_path):
 def test_cancel_stops_every_process(tmp_path):
     out, run = launch(tmp_path, "-o", "deployment.smoke.run_s=600")
     assert out.returncode == 0, out.stderr
+    # the moment launch returns, the run reads as live (not lost) and names its supervisor
+    assert run_state(run).state in ("pending", "running")
+    assert statuses(run)["supervisor"]["pid"] == json.loads(out.stdout[: out.stdout.index("\n}") + 2])["supervisor_pid"]
     wait_for(lambda: len(list((run / "smoke").glob("*.json"))) >= 4, 60, "the tasks to start")
     st = statuses(run)
     pids = [s["pid"] for s in st.values()]
@@ -120,11 +124,16 @@ def test_existing_run_dir_is_refused_unless_resuming(tmp_path):
 
 
 def test_tasks_do_not_outlive_a_killed_supervisor(tmp_path):
-    out, run = launch(tmp_path, "-o", "deployment.smoke.run_s=600")
-    assert out.returncode == 0, out.stderr
+    waiter = subprocess.Popen([*RLCTL, "launch", SMOKE, *LOCAL, "-o", f"deployment.output_dir={tmp_path}",
+                               "-o", "deployment.smoke.run_s=600", "--name", "killed", "--wait"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "killed"
     wait_for(lambda: len(list((run / "smoke").glob("*.json"))) >= 4, 60, "the tasks to start")
     st = statuses(run)
     os.kill(st["supervisor"]["pid"], 9)
+    # `launch --wait` notices the dead supervisor instead of waiting forever
+    assert waiter.wait(timeout=30) == 1
+    assert "lost" in waiter.stderr.read()
     pids = [s["pid"] for name, s in st.items() if name != "supervisor"]
     deadline = time.monotonic() + 20
     while any(alive(p) for p in pids):
