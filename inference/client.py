@@ -111,8 +111,13 @@ class InferenceClient:
 
     async def pause(self, mode: str = "keep") -> None:
         """'keep' freezes in-flight requests (they continue after `resume` under the new weights);
-        'wait' drains them first; 'abort' drops them. On CPU avoid per-request seeds with 'keep'."""
-        await self._request("POST", "/pause", params={"mode": mode})
+        'wait' drains them first; 'abort' drops them. On CPU avoid per-request seeds with 'keep'.
+
+        With 'keep' the caches stay: vLLM's default clear would preempt every frozen request and
+        re-prefill its whole context after the reload, and new requests cannot hit old-policy
+        prefix blocks anyway (their KV-cache salt names the policy version)."""
+        params = {"mode": mode, "clear_cache": "false"} if mode == "keep" else {"mode": mode}
+        await self._request("POST", "/pause", params=params)
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")

@@ -130,6 +130,13 @@ def test_admin_and_api_routes_refuse_missing_or_wrong_token(server, method, rout
     assert ok.status_code == 200 and ok.json() == {"is_paused": False}
 
 
+def preemptions(url: str) -> float:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions_total"))
+
+
 def test_reload_in_flight_matches_transformers_with_new_weights(server):
     from safetensors.torch import load_file
 
@@ -158,9 +165,12 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
             results = await asyncio.gather(*tasks)
             return timing, results
 
+    preempted = preemptions(info["url"])
     timing, results = asyncio.run(reload_with_requests_in_flight(64))
     print(f"\n[measure] pause→reload→resume with 64 requests in flight: {timing}")
     assert all(len(parse_samples(r)[0].token_ids) == 32 for r in results)  # none lost to the pause
+    # kept, not preempted: the frozen requests continued from their KV instead of re-prefilling it
+    assert preemptions(info["url"]) == preempted
     after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)
     assert max_diff(after, expected) < 1e-3
 
