@@ -3,15 +3,17 @@
     python bench/bench_weight_sync.py [--size tiny|medium] [--repeats 5] [--no-reload]
 
 publish = `rlctl.trainer.weights.publish_weights` (stage dir, fsync, rename, COMPLETE marker);
-reload  = `rlctl.inference.client.measure_inplace_reload` on a real vLLM server started with
-          `python -m rlctl.inference` (pause → reload from the step dir → resume, tied head re-tied;
-          pause mode `keep` as the orchestrator's weight watcher uses it);
+reload  = the weight watcher's reloader (`rlctl.orchestrator.weight_watcher.inference_reloader`, one
+          client kept across steps as in a run) on a real vLLM server started with
+          `python -m rlctl.inference`: pause → reload from the step dir → resume, tied head re-tied,
+          pause mode `keep` as the watcher uses it;
 raw     = `safetensors.torch.save_file` + `load_file` of the same state dict, same filesystem.
 Goal: (publish + reload) ≤ 1.5 × raw. Medians over `--repeats`. Prints one table.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -96,10 +98,13 @@ def main(argv=None) -> int:
 
     raw_save, raw_load, publish, reload, reload_phases = [], [], [], [], []
     proc = None
+    loop = asyncio.Runner()  # one event loop for every round: the reloader's HTTP client lives on it
     try:
         if not args.no_reload:
             proc, info = _start_server(run, str(model_dir), work / "inference.log")
-            from rlctl.inference.client import measure_inplace_reload
+            from rlctl.orchestrator.weight_watcher import inference_reloader
+
+            reloader, close_reloader = inference_reloader([info["url"]], run.admin_token(), args.pause_mode)
         for step in range(1, args.repeats + 1):
             # new values each round, so every reload really changes the served weights
             state = {k: v + 1e-3 * step for k, v in base.items()}
@@ -110,14 +115,16 @@ def main(argv=None) -> int:
             step_dir = run.weights / f"step_{step}"
             if proc is not None:
                 t = time.perf_counter()
-                phases = measure_inplace_reload([info["url"]], run.admin_token(), str(step_dir), pause_mode=args.pause_mode)
+                phases = loop.run(reloader(step_dir))
                 reload.append(time.perf_counter() - t)
                 reload_phases.append(phases)
             else:
                 reload.append(_timed(lambda: load_file(step_dir / WEIGHTS_FILE)))
     finally:
         if proc is not None:
+            loop.run(close_reloader())
             _stop_server(run, proc)
+        loop.close()
         shutil.rmtree(work, ignore_errors=True)
 
     med = statistics.median

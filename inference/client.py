@@ -218,16 +218,3 @@ async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: 
         raise InferenceError("resume failed after reload: " + "; ".join(failed))
     return {"pause_s": t1 - t0, "reload_s": t2 - t1, "resume_s": t3 - t2, "total_s": t3 - t0,
             "load_s_max": max(r["total_s"] for r in results), "servers": len(servers)}
-
-
-def measure_inplace_reload(urls: list[str], token: str, step_dir: str, pause_mode: str = "keep") -> dict:
-    """Synchronous entry for benchmarks: one pause → reload → resume round on running servers."""
-
-    async def _run() -> dict:
-        clients = [InferenceClient(u, token) for u in urls]
-        try:
-            return await reload_all(clients, step_dir, pause_mode)
-        finally:
-            await asyncio.gather(*(c.aclose() for c in clients))
-
-    return asyncio.run(_run())
