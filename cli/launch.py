@@ -159,17 +159,22 @@ def launch_cmd(
         _print_summary(result, rows)
     sys.stdout.flush()  # the summary must reach a pipe before --wait blocks
     if wait and not dry_run:
-        progress = _Progress(result.run.root, enabled=not as_json)
-        rc = _wait_slurm(result, as_json, progress) if result.job_id else _wait_local(result, progress)
-        progress.update(force=True)
-        progress.close()
-        if not as_json:
-            final = progress.summary or {}
-            if final.get("reward_mean") is not None:
-                typer.echo(f"final reward mean {final['reward_mean']:.3f} (first {final['reward_first']:.3f}) "
-                           f"after {final['steps_done']} step(s)")
-            typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc}); logs: {result.run.logs / 'latest'}")
-        raise typer.Exit(rc)
+        raise typer.Exit(follow_run(result, as_json))
+
+
+def follow_run(result, as_json: bool) -> int:
+    """--wait of `launch` and `resume`: follow the started attempt with progress until it ends; its exit code."""
+    progress = _Progress(result.run.root, enabled=not as_json)
+    rc = _wait_slurm(result, as_json, progress) if result.job_id else _wait_local(result, progress)
+    progress.update(force=True)
+    progress.close()
+    if not as_json:
+        final = progress.summary or {}
+        if final.get("reward_mean") is not None:
+            typer.echo(f"final reward mean {final['reward_mean']:.3f} (first {final['reward_first']:.3f}) "
+                       f"after {final['steps_done']} step(s)")
+        typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc}); logs: {result.run.logs / 'latest'}")
+    return rc
 
 
 def cancel_cmd(run: str = typer.Argument(..., help="Run directory or run name."),

@@ -20,7 +20,7 @@ def resume_cmd(
     newer rollouts, weights and metrics lines are removed so step numbers stay contiguous."""
     from pathlib import Path
 
-    from rlctl.cli.launch import _wait_local, _wait_slurm
+    from rlctl.cli.launch import follow_run
     from rlctl.launchers.launch import resolve_run
     from rlctl.launchers.resume import resume
     from rlctl.recipes.errors import RecipeError
@@ -40,10 +40,7 @@ def resume_cmd(
         typer.echo(f"attempt {result.attempt} started: {who}; logs: {result.run.logs / 'latest'}")
     sys.stdout.flush()
     if wait:
-        rc = _wait_slurm(result, as_json) if result.job_id else _wait_local(result)
-        if not as_json:
-            typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc})")
-        raise typer.Exit(rc)
+        raise typer.Exit(follow_run(result, as_json))
 
 
 def register(app: typer.Typer) -> None:

@@ -139,3 +139,12 @@ def test_tasks_do_not_outlive_a_killed_supervisor(tmp_path):
     while any(alive(p) for p in pids):
         assert time.monotonic() < deadline, "tasks outlived their supervisor"
         time.sleep(0.2)
+
+
+def test_resume_wait_follows_the_new_attempt_to_its_end(tmp_path):
+    first, run = launch(tmp_path, "--wait")
+    assert first.returncode == 0, first.stderr
+    again = rlctl("resume", str(run), "--wait")
+    assert again.returncode == 0 and "run finished (exit code 0)" in again.stdout, (again.stdout, again.stderr)
+    assert json.loads((run / "run.json").read_text())["attempt"] == 1
+    assert statuses(run)["supervisor"]["state"] == "exited"
