@@ -145,22 +145,14 @@ def manifest(run: RunDir, name: str, scheduler: str, attempt: int, recipe, place
     }
 
 
-def _script_env(run: RunDir, attempt: int, extra_env: dict | None) -> dict[str, str]:
-    return {"RLCTL_RUN_DIR": str(run.root), "RLCTL_ATTEMPT": str(attempt), **(extra_env or {})}
-
-
-def _requeue(recipe) -> dict:
-    return {"max_restarts": recipe.deployment.max_restarts, "signal_s": recipe.deployment.preempt_signal_s}
-
-
-def slurm_executor(run: RunDir, groups: list[JobGroup], name: str, attempt: int, grace: int,
-                   extra_env: dict | None = None, requeue: dict | None = None):
-    from rlctl.launchers.hetjob import HetSlurmExecutor
-
-    return HetSlurmExecutor(
-        run.root / "submitit" / f"attempt_{attempt}", groups, job_name=f"rlctl-{name}",
-        batch_log=run.attempt_logs(attempt) / "slurm-%j.out", grace_period_s=grace,
-        env=_script_env(run, attempt, extra_env), requeue=requeue)
+def _het_script_options(run: RunDir, name: str, attempt: int, recipe, extra_env: dict | None) -> dict:
+    """What the het script of this attempt is rendered from, besides groups, folder and python
+    (the same for a dry run and a real submission)."""
+    dep = recipe.deployment
+    return {"job_name": f"rlctl-{name}", "batch_log": run.attempt_logs(attempt) / "slurm-%j.out",
+            "grace_period_s": dep.grace_period_s,
+            "env": {"RLCTL_RUN_DIR": str(run.root), "RLCTL_ATTEMPT": str(attempt), **(extra_env or {})},
+            "requeue": {"max_restarts": dep.max_restarts, "signal_s": dep.preempt_signal_s}}
 
 
 def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None = None,
@@ -188,23 +180,20 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
     info = manifest(run, run_name, profile.scheduler, attempt, recipe, placement, groups, refs, previous=previous)
     if profile.scheduler == "slurm":
         script = run.root / "sbatch" / f"attempt_{attempt}.sh"
-        grace = recipe.deployment.grace_period_s
-        if dry_run:
+        folder = run.root / "submitit" / f"attempt_{attempt}"
+        options = _het_script_options(run, run_name, attempt, recipe, extra_env)
+        if dry_run:  # rendered without the executor: it would create the submitit folder
             from rlctl.launchers.hetjob import render_het_script, shlex_python
 
-            ex_folder = run.root / "submitit" / f"attempt_{attempt}"
-            text = render_het_script(groups, ex_folder, shlex_python(), job_name=f"rlctl-{run_name}",
-                                     batch_log=run.attempt_logs(attempt) / "slurm-%j.out",
-                                     grace_period_s=grace, env=_script_env(run, attempt, extra_env),
-                                     requeue=_requeue(recipe))
-            atomic_write_bytes(script, text.encode())
+            atomic_write_bytes(script, render_het_script(groups, folder, shlex_python(), **options).encode())
             result.script = script
             atomic_write_json(run.manifest, info)
             return result
         _maybe_build_model(run, recipe)
         from rlctl.launchers.env import ComponentTask
+        from rlctl.launchers.hetjob import HetSlurmExecutor
 
-        executor = slurm_executor(run, groups, run_name, attempt, grace, extra_env, _requeue(recipe))
+        executor = HetSlurmExecutor(folder, groups, **options)
         atomic_write_bytes(script, executor.script_text().encode())
         from submitit.core.utils import FailedJobError
 
