@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlctl.launchers.rundir import MARKER, fsync_path, parse_step, step_dir_name
+from rlctl.launchers.rundir import MARKER, atomic_write_json, fsync_path, parse_step, step_dir_name
 
 TRAINER, ORCHESTRATOR = "trainer", "orchestrator"
 STATE_FILE = "state.json"
@@ -79,12 +79,7 @@ def seal_part(stage: Path, final: Path, step: int) -> None:
     fsync_path(stage)
     os.rename(stage, final)
     fsync_path(final.parent)
-    tmp = final / f".{MARKER}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "time": time.time()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final / MARKER)
+    atomic_write_json(final / MARKER, {"step": step, "time": time.time()})
 
 
 # ---- the orchestrator's part --------------------------------------------------------------------

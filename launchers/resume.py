@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlctl.launchers.checkpoints import complete_checkpoints, is_complete, newest_complete
-from rlctl.launchers.rundir import RunDir, atomic_write_bytes, atomic_write_json, parse_step
+from rlctl.launchers.rundir import RunDir, atomic_write_bytes, atomic_write_json, parse_step, remove_steps
 from rlctl.recipes.errors import RecipeError
 
 ACTIVE = ("pending", "running")
@@ -61,17 +61,6 @@ def choose_step(run: RunDir, step: int | None) -> tuple[int, bool]:
         return step, True
     newest = newest_complete(run.checkpoints)
     return (newest, True) if newest is not None else (0, False)
-
-
-def _remove_steps(parent: Path, keep) -> list[int]:
-    removed = []
-    for child in sorted(parent.iterdir()) if parent.is_dir() else ():
-        s = parse_step(child.name)
-        if s is not None and not keep(s):
-            (child / "COMPLETE").unlink(missing_ok=True)  # readers stop seeing it first
-            shutil.rmtree(child, ignore_errors=True)
-            removed.append(s)
-    return sorted(removed)
 
 
 def _filter_metrics(path: Path, step: int, replacement: list[str] | None = None) -> int:
@@ -118,9 +107,9 @@ def rewind(run: RunDir, step: int | None = None, source: Path | None = None) -> 
         step, other_metrics = import_checkpoint(run, source)
     k, from_ckpt = choose_step(run, step)
     plan = Rewind(k, from_ckpt, source=str(source) if source else None)
-    plan.removed["rollouts"] = _remove_steps(run.rollouts, lambda s: s < k)
-    plan.removed["weights"] = _remove_steps(run.weights, lambda s: s <= k)
-    plan.removed["checkpoints"] = _remove_steps(run.checkpoints, lambda s: s <= k if from_ckpt else False)
+    plan.removed["rollouts"] = remove_steps(run.rollouts, lambda s: s < k)
+    plan.removed["weights"] = remove_steps(run.weights, lambda s: s <= k)
+    plan.removed["checkpoints"] = remove_steps(run.checkpoints, lambda s: s <= k if from_ckpt else False)
     for leftover in run.checkpoints.glob(".*") if run.checkpoints.is_dir() else ():
         shutil.rmtree(leftover, ignore_errors=True)
     plan.metrics_dropped = _filter_metrics(run.metrics, k, other_metrics)

@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 import os
 import secrets as _secrets
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 MARKER = "COMPLETE"  # written last into a step directory; readers ignore directories without it
 
@@ -93,6 +94,19 @@ def complete_steps(parent: Path) -> list[int]:
         if step is not None and (child / MARKER).exists():
             out.append(step)
     return sorted(out)
+
+
+def remove_steps(parent: Path, keep: Callable[[int], bool]) -> list[int]:
+    """Delete the step directories under `parent` whose step fails `keep`; returns them ascending.
+    The marker goes first, so no reader picks a step up while its files are deleted."""
+    removed = []
+    for child in parent.iterdir() if parent.is_dir() else ():
+        step = parse_step(child.name)
+        if step is not None and not keep(step):
+            (child / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(step)
+    return sorted(removed)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from rlctl.launchers.rundir import MARKER, fsync_path
+from rlctl.launchers.rundir import MARKER, atomic_write_json, fsync_path
 
 FORMAT = "rlctl-rollouts-v1"
 BATCH_FILE = "batch.safetensors"
@@ -70,7 +70,6 @@ def _layout(tensors: dict) -> tuple[dict, list]:
         views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b""))
         offset += nbytes
     return specs, views
-
 
 
 def write_batch(rollouts_dir: Path, step: int, tensors: dict, meta: dict[str, Any]) -> Path:
@@ -127,12 +126,7 @@ def write_batch(rollouts_dir: Path, step: int, tensors: dict, meta: dict[str, An
         raise
     fsync_path(rollouts_dir)
     marker = {"format": FORMAT, "step": step, "file": BATCH_FILE, "bytes": total, "checksum": checksum}
-    tmp = final / f".{MARKER}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final / MARKER)
+    atomic_write_json(final / MARKER, marker)
     fsync_path(final)
     return final
 

@@ -11,21 +11,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rlctl.launchers.rundir import MARKER, fsync_path, parse_step, step_dir_name
-
-PART = "trainer"
+# Which steps are complete is one rule for every component's part: `rlctl.launchers.checkpoints`.
+from rlctl.launchers.checkpoints import TRAINER as PART
+from rlctl.launchers.checkpoints import complete_checkpoints, is_complete, newest_complete, step_path
+from rlctl.launchers.rundir import MARKER, fsync_path, parse_step
 
 
 def trainer_part(checkpoints: Path, step: int) -> Path:
-    return Path(checkpoints) / step_dir_name(step) / PART
-
-
-def complete_checkpoints(checkpoints: Path) -> list[int]:
-    """Complete steps, ascending: the trainer part and any other part present carry their markers
-    (one rule for every component: `rlctl.launchers.checkpoints`)."""
-    from rlctl.launchers.checkpoints import complete_checkpoints as complete
-
-    return complete(checkpoints)
+    return step_path(checkpoints, step) / PART
 
 
 def _barrier() -> None:
@@ -33,7 +26,6 @@ def _barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-
 
 
 def _rng_state() -> dict:
@@ -105,7 +97,6 @@ class CheckpointWriteError(RuntimeError):
 
 def _root_cause(exc: BaseException) -> str:
     """The innermost OSError of a (DCP-wrapped) failure, as one line."""
-    seen = exc
     stack = [exc]
     while stack:
         e = stack.pop()
@@ -114,7 +105,7 @@ def _root_cause(exc: BaseException) -> str:
         stack += [c for c in (e.__cause__, e.__context__) if c is not None]
         stack += [v for v in getattr(e, "failures", {}).values() if isinstance(v, BaseException)]
         stack += [v[0] for v in getattr(e, "failures", {}).values() if isinstance(v, tuple) and v and isinstance(v[0], BaseException)]
-    return f"{type(seen).__name__}: {str(seen).splitlines()[0] if str(seen) else ''}"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def prune(checkpoints: Path, keep_last: int) -> list[int]:
@@ -141,7 +132,7 @@ def require_complete(checkpoints: Path, step: int) -> Path:
     from rlctl.recipes.errors import RecipeError
 
     final = trainer_part(checkpoints, step)
-    if step not in complete_checkpoints(checkpoints):
+    if not is_complete(checkpoints, step):
         have = complete_checkpoints(checkpoints)
         raise RecipeError(
             f"no complete trainer checkpoint for step {step} in {checkpoints} (complete: {have or 'none'})",
@@ -176,8 +167,7 @@ def resolve_resume_step(checkpoints: Path, value: str | None) -> int | None:
     if value is None or value == "":
         return None
     if value == "latest":
-        have = complete_checkpoints(checkpoints)
-        return have[-1] if have else None
+        return newest_complete(checkpoints)
     if not value.isdigit():
         raise RecipeError(f"expected a step number or 'latest' (got {value!r})", "resume step")
     return int(value)

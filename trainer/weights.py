@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlctl.launchers.rundir import MARKER, complete_steps, fsync_path, step_dir_name
+from rlctl.launchers.rundir import MARKER, complete_steps, fsync_path, remove_steps, step_dir_name
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -25,7 +25,6 @@ def latest_complete(weights_dir: str | os.PathLike) -> int | None:
     """The newest step under `weights_dir` whose marker exists, or None."""
     steps = complete_steps(Path(weights_dir))
     return steps[-1] if steps else None
-
 
 
 def hf_state_dict(state: dict, config: dict) -> dict:
@@ -77,18 +76,8 @@ def publish_weights(weights_dir: str | os.PathLike, step: int, state: dict, conf
 
 def discard_after(weights_dir: str | os.PathLike, step: int) -> list[int]:
     """Remove published steps newer than `step` (a resumed run rewinds to `step`; those policies belong
-    to the abandoned attempt). The marker goes first so no reader picks a step up while it is deleted."""
-    from rlctl.launchers.rundir import parse_step
-
-    weights_dir = Path(weights_dir)
-    removed = []
-    for child in weights_dir.iterdir() if weights_dir.is_dir() else ():
-        s = parse_step(child.name)
-        if s is not None and s > step:
-            (child / MARKER).unlink(missing_ok=True)
-            shutil.rmtree(child, ignore_errors=True)
-            removed.append(s)
-    return sorted(removed)
+    to the abandoned attempt)."""
+    return remove_steps(Path(weights_dir), lambda s: s <= step)
 
 
 def gather_full_state_dict(model) -> dict:
