@@ -28,3 +28,12 @@ def vslurm() -> str:
     if out.returncode != 0:
         pytest.fail(f"tests/slurm/cluster.sh failed:\n{out.stdout}\n{out.stderr}")
     return "vslurm"
+
+
+@pytest.fixture
+def slurm_jobs() -> list[str]:
+    """Job ids a test submitted; whatever a failing test leaves running is cancelled."""
+    jobs: list[str] = []
+    yield jobs
+    for job in jobs:
+        subprocess.run(["scancel", job], capture_output=True)

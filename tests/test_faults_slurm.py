@@ -26,14 +26,6 @@ RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
 STEPS = 16
 
 
-@pytest.fixture
-def jobs():
-    submitted: list[str] = []
-    yield submitted
-    for job in submitted:
-        subprocess.run(["scancel", job], capture_output=True)
-
-
 def launch(tmp_path: Path, jobs: list, name: str) -> tuple[Path, str]:
     out = subprocess.run(
         [*RLCTL, "launch", SMOKE, "--cluster", "vslurm", "--name", name, "--json",
@@ -77,8 +69,8 @@ def assert_resumed_cleanly(run: Path, job: str, resume_step: int) -> None:
     assert squeue.strip() == "", squeue  # the allocation ended
 
 
-def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path, vslurm, jobs):
-    run, job = launch(tmp_path, jobs, "preempt")
+def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path, vslurm, slurm_jobs):
+    run, job = launch(tmp_path, slurm_jobs, "preempt")
     wait_for(lambda: is_complete(run / "checkpoints", 3), 120, "checkpoint step_3")
     sig = subprocess.run(["scancel", "--batch", "--signal=USR2", job], capture_output=True, text=True)
     assert sig.returncode == 0, sig.stderr
@@ -103,8 +95,8 @@ def _job_nodes(job: str, het_index: int) -> list[str]:
     return []
 
 
-def test_node_down_under_a_running_job_requeues_and_resumes(tmp_path, vslurm, jobs):
-    run, job = launch(tmp_path, jobs, "nodedown")
+def test_node_down_under_a_running_job_requeues_and_resumes(tmp_path, vslurm, slurm_jobs):
+    run, job = launch(tmp_path, slurm_jobs, "nodedown")
     trainer = next(g for g in json.loads((run / "run.json").read_text())["groups"] if g["name"] == "trainer")
     node = wait_for(lambda: _job_nodes(job, trainer["het_index"]), 60, "the trainer's node")[0]
     wait_for(lambda: is_complete(run / "checkpoints", 3), 120, "checkpoint step_3")

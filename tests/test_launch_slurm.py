@@ -29,15 +29,6 @@ def rlctl(*args: str, env: dict | None = None, timeout: float = 300) -> subproce
                           env={**os.environ, **(env or {})})
 
 
-@pytest.fixture
-def launched():
-    """Job ids submitted by a test; whatever a failing test leaves running is cancelled."""
-    jobs: list[str] = []
-    yield jobs
-    for job in jobs:
-        subprocess.run(["scancel", job], capture_output=True)
-
-
 def launch_json(tmp_path: Path, jobs: list, *extra: str, env: dict | None = None) -> tuple[dict, float]:
     t0 = time.monotonic()
     proc = subprocess.Popen([*RLCTL, "launch", SMOKE, "--cluster", "vslurm", "-o", f"deployment.output_dir={tmp_path}",
@@ -87,10 +78,10 @@ def all_checked_in(run: Path) -> bool:
     return sum(len(v) for v in recs.values()) == 19  # 1 orchestrator + 2 servers + 16 trainer ranks
 
 
-def test_smoke_launch_wait_runs_one_het_job_with_the_contract(vslurm, tmp_path, launched):
+def test_smoke_launch_wait_runs_one_het_job_with_the_contract(vslurm, tmp_path, slurm_jobs):
     inherited = {"SLURM_JOB_ID": "424242", "SLURM_JOB_NODELIST": "elsewhere[1-9]", "SLURM_NNODES": "9",
                  "SLURM_NTASKS": "99", "SLURM_CPUS_PER_TASK": "64"}  # as if launched from inside a job
-    info, _ = launch_json(tmp_path, launched, "--wait", env=inherited)
+    info, _ = launch_json(tmp_path, slurm_jobs, "--wait", env=inherited)
     job, run = info["job_id"], Path(info["run_dir"])
     rows = sacct_rows(job)
     assert [rows[f"{job}+{k}"]["State"] for k in range(3)] == ["COMPLETED"] * 3
@@ -137,9 +128,9 @@ def test_smoke_launch_wait_runs_one_het_job_with_the_contract(vslurm, tmp_path, 
     assert sorted(r["rank"] for r in results) == list(range(16)) and {r["returncode"] for r in results} == {0}
 
 
-def test_killing_one_group_ends_the_whole_job_within_the_grace_period(vslurm, tmp_path, launched):
+def test_killing_one_group_ends_the_whole_job_within_the_grace_period(vslurm, tmp_path, slurm_jobs):
     grace = 4
-    info, took = launch_json(tmp_path, launched, "-o", "deployment.smoke.run_s=600", "-o", f"deployment.grace_period_s={grace}")
+    info, took = launch_json(tmp_path, slurm_jobs, "-o", "deployment.smoke.run_s=600", "-o", f"deployment.grace_period_s={grace}")
     job, run = info["job_id"], Path(info["run_dir"])
     # launch must not block on the job (it holds for 600 s); the 2 s target is measured in bench/
     assert took < 15.0, f"launch took {took:.1f}s"
@@ -158,8 +149,8 @@ def test_killing_one_group_ends_the_whole_job_within_the_grace_period(vslurm, tm
     wait_for(lambda: not processes_of(run), 30, "every process of the run to exit")
 
 
-def test_cancel_ends_the_job_and_leaves_no_process(vslurm, tmp_path, launched):
-    info, _ = launch_json(tmp_path, launched, "-o", "deployment.smoke.run_s=600")
+def test_cancel_ends_the_job_and_leaves_no_process(vslurm, tmp_path, slurm_jobs):
+    info, _ = launch_json(tmp_path, slurm_jobs, "-o", "deployment.smoke.run_s=600")
     job, run = info["job_id"], Path(info["run_dir"])
     wait_for(lambda: all_checked_in(run), 120, "every task to check in")
     out = rlctl("cancel", str(run))
@@ -172,8 +163,8 @@ def test_cancel_ends_the_job_and_leaves_no_process(vslurm, tmp_path, launched):
     assert logs.returncode == 0 and "smoke orchestrator rank 0" in logs.stdout
 
 
-def test_dry_run_writes_a_valid_sbatch_script_and_submits_nothing(vslurm, tmp_path, launched):
-    info, _ = launch_json(tmp_path, launched, "--dry-run", "--name", "dry")
+def test_dry_run_writes_a_valid_sbatch_script_and_submits_nothing(vslurm, tmp_path, slurm_jobs):
+    info, _ = launch_json(tmp_path, slurm_jobs, "--dry-run", "--name", "dry")
     script = Path(info["script"])
     assert info["job_id"] is None and script.is_file()
     for name in ("recipe.json", "recipe.toml", "placement.json"):
@@ -212,8 +203,8 @@ def test_submission_command_drops_inherited_slurm_variables(vslurm, tmp_path, mo
     assert oct((tmp_path / "sub").stat().st_mode & 0o777) == "0o700"
 
 
-def test_orchestrator_beside_inference_when_there_is_no_cpu_partition(vslurm, tmp_path, launched):
-    info, _ = launch_json(tmp_path, launched, "--wait", "-o", "deployment.orchestrator_placement=inference_node")
+def test_orchestrator_beside_inference_when_there_is_no_cpu_partition(vslurm, tmp_path, slurm_jobs):
+    info, _ = launch_json(tmp_path, slurm_jobs, "--wait", "-o", "deployment.orchestrator_placement=inference_node")
     job, run = info["job_id"], Path(info["run_dir"])
     rows = sacct_rows(job)
     assert [rows[f"{job}+{k}"]["State"] for k in range(2)] == ["COMPLETED"] * 2 and f"{job}+2" not in rows
