@@ -2,8 +2,8 @@
 
 Both sides train the same tiny Qwen3 (`build_tiny_model`, same seed) on the same environment (`sequence`
 with the args of recipes/tiny-cpu.toml, same reward) on the same CPU, with the recipe's batch shape and
-optimiser: 32 prompts x 16 completions per step, at most 3 completion tokens, temperature 1, AdamW lr 5e-3,
-grad-norm clip 1, no KL term, advantages = reward - group mean, loss normalised by the token count.
+optimiser: 32 prompts x 16 completions per step, at most 2 completion tokens, temperature 1, AdamW at the
+recipe's lr, grad-norm clip 1, no KL term, advantages = reward - group mean, loss normalised by the token count.
 TRL generates with transformers' `generate` between optimiser steps (its default, no vLLM); rlctl runs a
 vLLM CPU server + router + orchestrator + 2-rank FSDP2 trainer overlapping by one policy step.
 

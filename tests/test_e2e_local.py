@@ -28,8 +28,8 @@ def test_tiny_recipe_learns_locally_and_leaves_nothing_behind(tmp_path):
     assert [r["step"] for r in orch] == list(range(max_steps))
     rewards = [r["reward_mean"] for r in orch]
     assert rewards[0] < 0.2, rewards[:5]
-    assert max(rewards) >= 0.8, f"reward never reached 0.8: {rewards}"
-    assert sum(rewards[-5:]) / 5 >= 0.7, rewards[-10:]  # and it stays learned (runs end at 0.8-1.0)
+    # It ends learned, as the README promises (the replay bench ends at 0.95-0.99 over 16 seeds).
+    assert sum(rewards[-5:]) / 5 >= 0.8, f"reward did not end >= 0.8: {rewards}"
 
     # --wait showed progress while it ran and ended with the final reward.
     assert "step " in out.stderr and "reward " in out.stderr, out.stderr
