@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import json
 import os
 import shutil
@@ -25,19 +24,12 @@ from pathlib import Path
 from rlctl.inference.router import stop_process_group
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
                                    inference_target, ipc_safe_tmpdir, render_server_command, server_env)
+from rlctl.launchers.children import die_with_parent
 from rlctl.launchers.placement import Placement
 from rlctl.launchers.rundir import RunDir
 from rlctl.recipes.errors import RecipeError
 
 LOG_TAIL_LINES = 40
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if this supervisor dies without cleaning up (Linux), so no orphans."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _placement(run: RunDir) -> Placement:
@@ -144,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     started = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True, preexec_fn=die_with_parent)
     tail: collections.deque = collections.deque(maxlen=LOG_TAIL_LINES)
     pump = threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True)
     pump.start()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlctl.inference.server import free_port
+from rlctl.launchers.children import die_with_parent
 
 
 def router_executable() -> str:
@@ -97,8 +98,9 @@ def start_router(worker_urls: list[str], policy: str, host: str, *, log_path: Pa
     cmd = render_router_command(worker_urls, policy, host, port, prom)
     out = open(log_path, "ab") if log_path is not None else None
     try:
+        # Own session so stop() can take its group down; dies with us if we are killed before stop().
         proc = subprocess.Popen(cmd, stdout=out or None, stderr=subprocess.STDOUT if out else None,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
     finally:
         if out is not None:
             out.close()

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlctl.launchers.children import die_with_parent
 from rlctl.launchers.env import component_command, component_env
 from rlctl.launchers.groups import JobGroup
 from rlctl.launchers.rundir import RunDir, atomic_write_json
@@ -56,17 +57,6 @@ def start_supervisor(run: RunDir, attempt: int, extra_env: dict | None = None) -
     return proc.pid
 
 
-def _die_with_supervisor() -> None:
-    """In the child before exec: get SIGTERM if the supervisor dies, even by SIGKILL (Linux)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,7 +84,7 @@ class Task:
             self.proc = subprocess.Popen(component_command(self.group.module, str(run.root)),
                                          env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_supervisor)
+                                         preexec_fn=die_with_parent)
         self.info.update(pid=self.proc.pid, state="running", started=time.time())
         atomic_write_json(self.status_path, self.info)
 

@@ -54,7 +54,24 @@ def _environ_mentions(pid: int, needle: bytes) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def _holds_file_under(pid: int, root: str) -> bool:
+    """Whether `pid` has a file under `root` open (e.g. its log): catches processes that rewrite their
+    command line and environment for a process title, such as vllm-router."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd).startswith(root):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes in a container)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
@@ -63,19 +80,23 @@ def _alive(pid: int) -> bool:
 
 def leftover_processes(run: Path) -> list[str]:
     """Processes of this run still alive: recorded pids, anything naming the run dir on its command line,
-    and anything carrying the run's RLCTL_RUN_DIR (children such as vLLM's engine core inherit it)."""
+    anything carrying the run's RLCTL_RUN_DIR (children such as vLLM's engine core inherit it), and
+    anything holding a file of the run dir open."""
     left = []
     for path in (run / "status").glob("*.json"):
         pid = json.loads(path.read_text()).get("pid")
-        if isinstance(pid, int) and _alive(pid):
+        if isinstance(pid, int) and running(pid):
             left.append(f"{path.stem} pid {pid}")
     found = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True).stdout.split()
     left += [f"pgrep pid {p}" for p in found if int(p) != os.getpid()]
     needle = f"RLCTL_RUN_DIR={run}\0".encode()
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid() and _alive(int(proc.name)) \
+        if proc.name.isdigit() and int(proc.name) != os.getpid() and running(int(proc.name)) \
                 and _environ_mentions(int(proc.name), needle):
             left.append(f"env pid {proc.name}: {(proc / 'cmdline').read_bytes()[:120]!r}")
+        elif proc.name.isdigit() and int(proc.name) != os.getpid() and running(int(proc.name)) \
+                and _holds_file_under(int(proc.name), f"{run}/"):
+            left.append(f"open-file pid {proc.name}: {(proc / 'cmdline').read_bytes().split(bytes(1))[0][:60]!r}")
     return sorted(set(left))
 
 

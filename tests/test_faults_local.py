@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rlctl.launchers.checkpoints import newest_complete
-from e2e_checks import wait_for
+from e2e_checks import leftover_processes, wait_for
 from rlctl.launchers.status import pid_alive, run_state
 
 pytestmark = pytest.mark.slow
@@ -113,3 +113,5 @@ def test_kill_trainer_rank_orchestrator_and_vllm_then_resume_to_the_end(tmp_path
     for rec in (json.loads(p.read_text()) for p in (run / "status").glob("*.json")):
         assert rec["state"] == "exited" and not pid_alive(rec["pid"], rec.get("started")), rec
     assert (run / "DONE").exists()
+    # Nothing of any attempt lingers: not the killed components' children (router, vLLM engine) either.
+    wait_for(lambda: not leftover_processes(run), 10, f"no process of the run left: {leftover_processes(run)}")

@@ -29,6 +29,7 @@ from rlctl.inference.client import (  # noqa: E402
     reload_all,
 )
 from rlctl.inference.router import start_router  # noqa: E402
+from e2e_checks import running, wait_for  # noqa: E402
 from rlctl.launchers.rundir import RunDir, atomic_write_json  # noqa: E402
 from rlctl.recipes.load import load_recipe  # noqa: E402
 
@@ -221,6 +222,27 @@ def test_completions_through_router(server, tmp_path):
     finally:
         assert router.stop() is not None
     assert not router.alive()
+
+
+def test_router_dies_with_the_process_that_started_it(server, tmp_path):
+    """The router runs in its own session, so a killpg of its parent's group misses it: a SIGKILLed
+    orchestrator (a fault, a teardown that escalates) must not leave it behind holding its ports."""
+    _, info, _, _ = server
+    start = (f"import time; from pathlib import Path; from rlctl.inference.router import start_router; "
+             f"r = start_router([{info['url']!r}], 'round_robin', {HOST!r}, log_path=Path({str(tmp_path / 'r.log')!r})); "
+             f"print(r.proc.pid, flush=True); time.sleep(300)")
+    parent = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, text=True)
+    router_pid = None
+    try:
+        router_pid = int(parent.stdout.readline())
+        assert running(router_pid)
+        parent.kill()
+        parent.wait()
+        wait_for(lambda: not running(router_pid), 10, "the router to exit after its parent was SIGKILLed")
+    finally:
+        parent.kill()
+        if router_pid is not None and running(router_pid):
+            os.kill(router_pid, signal.SIGKILL)
 
 
 def test_server_that_dies_at_start_reports_its_log_tail(tmp_path):
