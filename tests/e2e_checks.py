@@ -91,11 +91,11 @@ def leftover_processes(run: Path) -> list[str]:
     left += [f"pgrep pid {p}" for p in found if int(p) != os.getpid()]
     needle = f"RLCTL_RUN_DIR={run}\0".encode()
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid() and running(int(proc.name)) \
-                and _environ_mentions(int(proc.name), needle):
+        if not proc.name.isdigit() or int(proc.name) == os.getpid() or not running(int(proc.name)):
+            continue
+        if _environ_mentions(int(proc.name), needle):
             left.append(f"env pid {proc.name}: {(proc / 'cmdline').read_bytes()[:120]!r}")
-        elif proc.name.isdigit() and int(proc.name) != os.getpid() and running(int(proc.name)) \
-                and _holds_file_under(int(proc.name), f"{run}/"):
+        elif _holds_file_under(int(proc.name), f"{run}/"):
             left.append(f"open-file pid {proc.name}: {(proc / 'cmdline').read_bytes().split(bytes(1))[0][:60]!r}")
     return sorted(set(left))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_checks import wait_for
+from e2e_checks import running, wait_for
 from rlctl.launchers.status import run_state
 
 pytestmark = pytest.mark.slow
@@ -33,18 +33,6 @@ def launch(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Pa
 
 def statuses(run: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in (run / "status").glob("*.json")}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purpose
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_local_run_follows_the_env_contract_with_logs_and_status(tmp_path):
@@ -88,7 +76,7 @@ def test_a_failing_component_stops_the_others_after_the_grace_period(tmp_path):
     assert st["supervisor"] == {**st["supervisor"], "state": "exited", "returncode": 3}
     for name, s in st.items():
         if name != "supervisor":
-            assert s["state"] == "exited" and not alive(s["pid"]), name
+            assert s["state"] == "exited" and not running(s["pid"]), name
     log = (run / "logs" / "latest" / "supervisor.log").read_text()
     assert "inference rank 0 exited with code 3" in log and "grace period over" in log
 
@@ -102,12 +90,12 @@ def test_cancel_stops_every_process(tmp_path):
     wait_for(lambda: len(list((run / "smoke").glob("*.json"))) >= 4, 60, "the tasks to start")
     st = statuses(run)
     pids = [s["pid"] for s in st.values()]
-    assert all(alive(p) for p in pids)
+    assert all(running(p) for p in pids)
     cancel = rlctl("cancel", str(run))
     assert cancel.returncode == 0 and "cancelled local run" in cancel.stdout, cancel.stderr
     st = statuses(run)
     assert st["supervisor"]["state"] == "cancelled"
-    assert not any(alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
     again = rlctl("cancel", str(run))
     assert again.returncode == 0 and "not running" in again.stdout
 
@@ -136,7 +124,7 @@ def test_tasks_do_not_outlive_a_killed_supervisor(tmp_path):
     assert "lost" in waiter.stderr.read()
     pids = [s["pid"] for name, s in st.items() if name != "supervisor"]
     deadline = time.monotonic() + 20
-    while any(alive(p) for p in pids):
+    while any(running(p) for p in pids):
         assert time.monotonic() < deadline, "tasks outlived their supervisor"
         time.sleep(0.2)
 
