@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from sim_inference import sim_server  # noqa: E402
 
-from rlctl.launchers.rundir import MARKER  # noqa: E402
+from rlctl.orchestrator.exchange.steps import MARKER  # noqa: E402
 from rlctl.orchestrator.environments import load_environment  # noqa: E402
 from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop  # noqa: E402
-from rlctl.orchestrator.rollouts import read_batch, wait_for_batch  # noqa: E402
+from rlctl.orchestrator.exchange.batches_fs import read_batch, wait_for_batch  # noqa: E402
 from rlctl.orchestrator.weight_watcher import WeightWatcher, inference_reloader  # noqa: E402
 
 TOKEN = "bench"

@@ -112,9 +112,10 @@ def _summary(side, rewards, times, t0, t_loop, t_end, tokens, extra) -> dict:
 
 
 def rlctl_summary(run: Path, t0: float | None) -> dict:
-    from rlctl.launchers.run_summary import by_step, read_metrics
+    from rlctl.launchers.run_summary import by_step
+    from rlctl.orchestrator.exchange.metrics import read_records
 
-    metrics = read_metrics(run / "metrics.jsonl")
+    metrics = read_records(run)
     orch, trainer = by_step(metrics, "orchestrator"), by_step(metrics, "trainer")
     if t0 is None:
         t0 = float(json.loads((run / "run.json").read_text())["submit_time"])

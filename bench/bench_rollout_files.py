@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rlctl.orchestrator.rollouts import read_batch, write_batch
+from rlctl.orchestrator.exchange.batches_fs import read_batch, write_batch
 
 
 def make_batch(target_mb: int, B: int = 256, T: int = 2048, layers: int = 24, top_k: int = 8) -> dict:

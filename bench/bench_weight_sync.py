@@ -2,7 +2,7 @@
 
     python bench/bench_weight_sync.py [--size tiny|medium] [--repeats 5] [--no-reload]
 
-publish = `rlctl.trainer.weights.publish_weights` (stage dir, fsync, rename, COMPLETE marker);
+publish = `FilesystemWeightStore.publish` (stage dir, fsync, rename, COMPLETE marker);
 reload  = the weight watcher's reloader (`rlctl.orchestrator.weight_watcher.inference_reloader`, one
           client kept across steps as in a run) on a real vLLM server started with
           `python -m rlctl.inference`: pause → reload from the step dir → resume, tied head re-tied,
@@ -40,7 +40,7 @@ def _timed(fn) -> float:
 
 
 def _start_server(run, model_name: str, log: Path) -> tuple[subprocess.Popen, dict]:
-    from rlctl.launchers.rundir import atomic_write_json
+    from rlctl.orchestrator.exchange.files import atomic_write_json
     from rlctl.recipes.load import load_recipe
 
     recipe = load_recipe(["tiny-cpu"], [f"model.name={json.dumps(model_name)}"])
@@ -83,9 +83,9 @@ def main(argv=None) -> int:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from rlctl.launchers.rundir import RunDir
+    from rlctl.orchestrator.exchange.layout import RunDir
     from rlctl.trainer.tiny_model import build_tiny_model, parameter_count
-    from rlctl.trainer.weights import WEIGHTS_FILE, publish_weights
+    from rlctl.orchestrator.exchange.weights_fs import WEIGHTS_FILE, FilesystemWeightStore
 
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-", dir=args.workdir))
     run = RunDir(work / "run")
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             raw_path = work / f"raw_{step}.safetensors"
             raw_save.append(_timed(lambda: save_file(state, str(raw_path))))
             raw_load.append(_timed(lambda: load_file(raw_path)))
-            publish.append(_timed(lambda: publish_weights(run.weights, step, state, config)))
+            publish.append(_timed(lambda: FilesystemWeightStore(run.weights).publish(step, state, config)))
             step_dir = run.weights / f"step_{step}"
             if proc is not None:
                 t = time.perf_counter()

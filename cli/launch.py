@@ -76,12 +76,13 @@ class _Progress:
         if not self.enabled or (not force and time.monotonic() - self.last_time < 2.0):
             return
         from rlctl.cli.monitor_view import progress_line
-        from rlctl.launchers.run_summary import read_metrics, summarize
+        from rlctl.launchers.run_summary import summarize
+        from rlctl.orchestrator.exchange.metrics import read_records
         from rlctl.launchers.status import run_state
 
         self.last_time = time.monotonic()
         try:
-            self.summary = summarize(run_state(self.run_root), read_metrics(self.run_root / "metrics.jsonl"))
+            self.summary = summarize(run_state(self.run_root), read_records(self.run_root))
         except (OSError, ValueError):
             return  # a half-written status file; the next poll reads it whole
         line = progress_line(self.summary)

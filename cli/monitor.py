@@ -28,11 +28,12 @@ def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> Path:
 
 
 def _snapshot(run_dir: Path):
-    from rlctl.launchers.run_summary import log_errors, read_metrics, summarize
+    from rlctl.launchers.run_summary import log_errors, summarize
+    from rlctl.orchestrator.exchange.metrics import read_records
     from rlctl.launchers.status import run_state
 
     status = run_state(run_dir)
-    metrics = read_metrics(Path(run_dir) / "metrics.jsonl")
+    metrics = read_records(run_dir)
     return summarize(status, metrics, log_errors(run_dir, status.attempt)), metrics
 
 
@@ -45,12 +46,13 @@ def write_plot(run_dir: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlctl.launchers.run_summary import by_step, read_metrics, series
+    from rlctl.launchers.run_summary import by_step, series
+    from rlctl.orchestrator.exchange.metrics import read_records
 
-    metrics = read_metrics(Path(run_dir) / "metrics.jsonl")
+    metrics = read_records(run_dir)
     trainer, orch = by_step(metrics, "trainer"), by_step(metrics, "orchestrator")
     if not trainer and not orch:
-        fail(f"--plot: no metrics yet in {Path(run_dir) / 'metrics.jsonl'}")
+        fail(f"--plot: no metrics yet in {Path(run_dir) / 'metrics'}")
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     panels = (
         ("reward", [(orch, "reward_mean", "reward mean")]),
@@ -172,8 +174,9 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print a JSON list."),
     ) -> None:
         """List the runs under an output root with their state and progress."""
-        from rlctl.launchers.run_summary import by_step, read_metrics, series
+        from rlctl.launchers.run_summary import by_step, series
         from rlctl.launchers.status import default_root, list_runs, run_state
+        from rlctl.orchestrator.exchange.metrics import read_records
 
         base = root if root is not None else default_root(profile)
         if root is not None and not root.is_dir():
@@ -181,7 +184,7 @@ def register(app: typer.Typer) -> None:
         rows = []
         for run_dir in list_runs(base):
             status = run_state(run_dir)
-            metrics = read_metrics(run_dir / "metrics.jsonl")
+            metrics = read_records(run_dir)
             trainer, orch = by_step(metrics, "trainer"), by_step(metrics, "orchestrator")
             rewards = series(orch, "reward_mean")
             rows.append({

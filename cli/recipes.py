@@ -52,7 +52,7 @@ def clone_cmd(
     """Copy a built-in recipe to DEST to edit it."""
     from pathlib import Path
 
-    from rlctl.launchers.rundir import atomic_write_bytes
+    from rlctl.orchestrator.exchange.files import atomic_write_bytes
     from rlctl.recipes.load import builtin_recipe_path
 
     src = builtin_recipe_path(name)

@@ -24,10 +24,11 @@ from pathlib import Path
 from rlctl.inference.router import stop_process_group
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
                                    inference_target, ipc_safe_tmpdir, render_server_command, server_env)
-from rlctl.launchers.children import die_with_parent
-from rlctl.launchers.placement import Placement
-from rlctl.launchers.rundir import RunDir
+from rlctl.inference.processes import die_with_parent
+from rlctl.orchestrator.exchange.placement import Placement
+from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.load import validate
 
 LOG_TAIL_LINES = 40
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     # A server killed hard in an earlier attempt may have left its endpoint behind: never announce stale.
     (run.services / "inference" / f"{index}.json").unlink(missing_ok=True)
     try:
-        recipe = run.load_recipe()
+        recipe = validate(run.recipe_data())
         placement = _placement(run)
         target = inference_target(placement)
         token = run.admin_token()
@@ -169,7 +170,7 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
         "weights_step": None,
     })
     print(f"rlctl.inference[{index}]: ready at {url} after {startup_s:.1f} s", flush=True)
-    done = run.root / "DONE"
+    done = run.done
     while True:
         if done.exists():
             print(f"rlctl.inference[{index}]: run finished, stopping the server", flush=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlctl.inference.server import free_port
-from rlctl.launchers.children import die_with_parent
+from rlctl.inference.processes import die_with_parent
 
 
 def router_executable() -> str:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from rlctl.launchers.rundir import RunDir
+from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.recipes.errors import RecipeError
 
 LOG_GROUPS = ("orchestrator", "inference", "trainer", "job")
@@ -19,7 +19,7 @@ LOG_GROUPS = ("orchestrator", "inference", "trainer", "job")
 
 def _supervisor(run: RunDir) -> dict:
     try:
-        return json.loads((run.root / "status" / "supervisor.json").read_text())
+        return json.loads((run.status / "supervisor.json").read_text())
     except (OSError, ValueError):
         return {}
 

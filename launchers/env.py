@@ -111,7 +111,7 @@ class ComponentTask:
         self.attempt = attempt
 
     def __call__(self) -> dict:
-        from rlctl.launchers.rundir import RunDir
+        from rlctl.orchestrator.exchange.layout import RunDir
 
         # a requeued job runs the same pickles as its next attempt (the batch script exports it)
         attempt = int(os.environ.get("RLCTL_ATTEMPT", self.attempt))

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlctl.launchers.groups import JobGroup, build_groups
-from rlctl.launchers.rundir import RunDir, atomic_write_bytes, atomic_write_json
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.files import atomic_write_bytes, atomic_write_json
 from rlctl.recipes.errors import RecipeError
 
 

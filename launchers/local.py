@@ -20,16 +20,17 @@ import sys
 import time
 from pathlib import Path
 
-from rlctl.launchers.children import die_with_parent
+from rlctl.inference.processes import die_with_parent
 from rlctl.launchers.env import component_command, component_env
 from rlctl.launchers.groups import JobGroup
-from rlctl.launchers.rundir import RunDir, atomic_write_json
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.files import atomic_write_json
 
 KILL_AFTER_S = 10.0  # after TERM, seconds before KILL
 
 
 def status_dir(run: RunDir) -> Path:
-    return run.root / "status"
+    return run.status
 
 
 def start_supervisor(run: RunDir, attempt: int, extra_env: dict | None = None) -> int:

@@ -14,14 +14,16 @@ Without any complete checkpoint the run restarts from step 0 (K = 0, weights/ste
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlctl.launchers.checkpoints import complete_checkpoints, is_complete, newest_complete
-from rlctl.launchers.rundir import RunDir, atomic_write_bytes, atomic_write_json, parse_step, remove_steps
+from rlctl.orchestrator.exchange.checkpoints import complete_checkpoints, is_complete, newest_complete
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.files import atomic_write_json
+from rlctl.orchestrator.exchange.metrics import keep_before
+from rlctl.orchestrator.exchange.steps import parse_step, remove_steps
 from rlctl.recipes.errors import RecipeError
 
 ACTIVE = ("pending", "running")
@@ -63,25 +65,8 @@ def choose_step(run: RunDir, step: int | None) -> tuple[int, bool]:
     return (newest, True) if newest is not None else (0, False)
 
 
-def _filter_metrics(path: Path, step: int, replacement: list[str] | None = None) -> int:
-    """Keep lines of steps < `step` (or use `replacement`); returns how many lines were dropped."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    source = lines if replacement is None else replacement
-    kept = []
-    for line in source:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of a killed writer
-        if not isinstance(record.get("step"), int) or record["step"] < step:
-            kept.append(line)
-    if kept != lines:
-        atomic_write_bytes(path, "".join(f"{ln}\n" for ln in kept).encode())
-    return max(0, len(lines) - len(kept)) if replacement is None else len(lines)
-
-
-def import_checkpoint(run: RunDir, source: Path) -> tuple[int, list[str]]:
-    """Copy `OTHER_RUN/checkpoints/step_N` into this run; returns N and the source run's metrics lines."""
+def import_checkpoint(run: RunDir, source: Path) -> tuple[int, RunDir]:
+    """Copy `OTHER_RUN/checkpoints/step_N` into this run; returns N and the source run."""
     source = Path(source).expanduser().absolute()
     step = parse_step(source.name)
     if step is None or source.parent.name != "checkpoints":
@@ -96,15 +81,14 @@ def import_checkpoint(run: RunDir, source: Path) -> tuple[int, list[str]]:
         shutil.rmtree(staged, ignore_errors=True)
         shutil.copytree(source, staged)
         staged.rename(target)
-    metrics = source.parent.parent / "metrics.jsonl"
-    return step, (metrics.read_text().splitlines() if metrics.exists() else [])
+    return step, RunDir(source.parent.parent)
 
 
 def rewind(run: RunDir, step: int | None = None, source: Path | None = None) -> Rewind:
     """Make `run` look as if it had just saved the chosen checkpoint (see the module docstring)."""
-    other_metrics = None
+    other_run = None
     if source is not None:
-        step, other_metrics = import_checkpoint(run, source)
+        step, other_run = import_checkpoint(run, source)
     k, from_ckpt = choose_step(run, step)
     plan = Rewind(k, from_ckpt, source=str(source) if source else None)
     plan.removed["rollouts"] = remove_steps(run.rollouts, lambda s: s < k)
@@ -112,9 +96,9 @@ def rewind(run: RunDir, step: int | None = None, source: Path | None = None) -> 
     plan.removed["checkpoints"] = remove_steps(run.checkpoints, lambda s: s <= k if from_ckpt else False)
     for leftover in run.checkpoints.glob(".*") if run.checkpoints.is_dir() else ():
         shutil.rmtree(leftover, ignore_errors=True)
-    plan.metrics_dropped = _filter_metrics(run.metrics, k, other_metrics)
-    for marker in ("DONE", "PREEMPT"):
-        (run.root / marker).unlink(missing_ok=True)
+    plan.metrics_dropped = keep_before(run, k, other_run)
+    for marker in (run.done, run.preempt):
+        marker.unlink(missing_ok=True)
     return plan
 
 

@@ -2,7 +2,6 @@
 fractions, the plan's predictions and the last error lines of the component logs. Pure data, no rich."""
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from pathlib import Path
@@ -16,23 +15,6 @@ MEASURED_KEYS = {
     "orchestrator": ("orchestrator_step_time_s", "wait_policy_s", "rollouts_per_s", "tokens_per_s",
                      "off_policy_lag_mean", "weight_reload_s"),
 }
-
-
-def read_metrics(path: Path | str) -> list[dict]:
-    """Every whole JSON line of metrics.jsonl (a line being appended right now is skipped)."""
-    out = []
-    try:
-        with open(path, "rb") as f:
-            for raw in f:
-                try:
-                    record = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(record, dict):
-                    out.append(record)
-    except FileNotFoundError:
-        pass
-    return out
 
 
 def by_step(metrics: list[dict], component: str) -> list[dict]:

@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlctl.launchers.rundir import RunDir, atomic_write_json
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.files import atomic_write_json
 
 ENV_PREFIXES = ("RLCTL_", "MASTER_", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_ID", "SLURMD_NODENAME")
 ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -31,7 +32,7 @@ def _free_port(host: str) -> int:
 
 def _wait_done(run: RunDir, timeout_s: float = 24 * 3600) -> None:
     deadline = time.time() + timeout_s
-    while not (run.root / "DONE").exists():
+    while not run.done.exists():
         if time.time() > deadline:
             sys.exit("smoke: DONE never appeared")
         time.sleep(0.2)
@@ -91,17 +92,17 @@ def main(argv: list[str] | None = None) -> int:
             _wait_done(run)
         else:
             time.sleep(float(smoke.get("run_s", 1.0)))
-            atomic_write_json(run.root / "DONE", {"time": time.time(), "by": "smoke"})
+            atomic_write_json(run.done, {"time": time.time(), "by": "smoke"})
     print(f"smoke {group} rank {rank}: clean exit", flush=True)
     return 0
 
 
 def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: float) -> int:
     """A step counter with the real checkpoint protocol (parts + markers, PREEMPT, resume step)."""
-    from rlctl.launchers.checkpoints import TRAINER, is_complete, write_part
-    from rlctl.launchers.rundir import append_jsonl
+    from rlctl.orchestrator.exchange.checkpoints import TRAINER, is_complete, write_part
+    from rlctl.orchestrator.exchange.metrics import append_record
 
-    preempt, done = run.root / "PREEMPT", run.root / "DONE"
+    preempt, done = run.preempt, run.done
     if rank != 0:
         while not (done.exists() or preempt.exists()):
             time.sleep(0.2)
@@ -124,7 +125,7 @@ def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: fl
             print(f"smoke trainer: preempted, checkpoint step_{step} saved", flush=True)
             return 0
         time.sleep(step_s)
-        append_jsonl(run.metrics, {"component": "trainer", "step": step, "time": time.time(),
+        append_record(run, "trainer", {"component": "trainer", "step": step, "time": time.time(),
                                    "reward_mean": round(step / steps, 6), "attempt": attempt})
         if interval and (step + 1) % interval == 0:
             save(step + 1)

@@ -23,8 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from rlctl.launchers.rundir import RunDir, append_jsonl, atomic_write_json, complete_steps
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.files import atomic_write_json
+from rlctl.orchestrator.exchange.metrics import append_record
+from rlctl.orchestrator.exchange.steps import complete_steps
 from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.load import validate
 
 WAIT_SERVERS_S = float(os.environ.get("RLCTL_WAIT_SERVERS_S", "900"))
 WAIT_FINAL_WEIGHTS_S = float(os.environ.get("RLCTL_WAIT_FINAL_WEIGHTS_S", "900"))
@@ -51,7 +55,7 @@ def _dead_servers(run: RunDir) -> list[str]:
     import json
 
     dead = []
-    for path in sorted((run.root / "status").glob("inference.*.json")):
+    for path in sorted(run.status.glob("inference.*.json")):
         try:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -101,7 +105,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
         nonlocal reload_index
         reload_s, reload_index = watcher.reload_seconds_since(reload_index)
         tokens = metrics.pop("tokens")
-        append_jsonl(run.metrics, {"component": "orchestrator", "step": step, "time": time.time(), **metrics,
+        append_record(run, "orchestrator", {"component": "orchestrator", "step": step, "time": time.time(), **metrics,
                                    "weight_reload_s": reload_s, "tokens": tokens})
         log(f"step {step + 1}/{end_step}  reward {metrics['reward_mean']:.3f}  policy v{metrics['policy_version']}  "
             f"lag {metrics['off_policy_lag_mean']:.2f}/{metrics['off_policy_lag_max']}  "
@@ -110,7 +114,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
 
     def save_progress(step: int, state: dict) -> None:
         """State after batch `step` = checkpoint part `step + 1`; written before the batch itself."""
-        from rlctl.launchers.checkpoints import newest_complete, prune_progress, save_orchestrator_state
+        from rlctl.orchestrator.exchange.checkpoints import newest_complete, prune_progress, save_orchestrator_state
 
         counters = {k: base_counters.get(k, 0) + v for k, v in state["counters"].items()}
         save_orchestrator_state(run.checkpoints, step + 1, {**state, "counters": counters})
@@ -142,7 +146,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
 def resume_start_step(run: RunDir) -> int:
     """First batch to collect: the resume step when one is given (`RLCTL_RESUME_STEP`, set by
     `rlctl resume` and requeued jobs, which also removed newer batches), else after the last batch."""
-    from rlctl.launchers.checkpoints import newest_complete
+    from rlctl.orchestrator.exchange.checkpoints import newest_complete
 
     value = os.environ.get("RLCTL_RESUME_STEP", "")
     if value == "latest":
@@ -156,7 +160,7 @@ def resume_start_step(run: RunDir) -> int:
 def restore_progress(run: RunDir, seed: int, env, start_step: int) -> tuple[random.Random, dict]:
     """Sampler and environment as saved in `checkpoints/step_<start>/orchestrator` (the prompt stream
     then continues exactly), or a sampler derived from (seed, step) when nothing was saved."""
-    from rlctl.launchers.checkpoints import fallback_rng, load_orchestrator_state
+    from rlctl.orchestrator.exchange.checkpoints import fallback_rng, load_orchestrator_state
 
     state = load_orchestrator_state(run.checkpoints, start_step) if start_step else None
     if state is None:
@@ -196,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         from rlctl.inference.router import start_router
-        from rlctl.launchers.placement import Placement
+        from rlctl.orchestrator.exchange.placement import Placement
 
-        recipe = run.load_recipe()
+        recipe = validate(run.recipe_data())
         placement = Placement.from_dict(json.loads((run.configs / "placement.json").read_text()))
         token = run.admin_token()
         urls = wait_for_servers(run, placement.inference_servers, attempt, WAIT_SERVERS_S)
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             pass
         asyncio.run(orchestrate(run, recipe, router.url, urls, token))
-        atomic_write_json(run.root / "DONE", {"time": time.time(), "by": "orchestrator",
+        atomic_write_json(run.done, {"time": time.time(), "by": "orchestrator",
                                               "steps": recipe.orchestrator.max_steps})
         log("DONE")
         return 0

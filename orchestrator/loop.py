@@ -37,7 +37,7 @@ from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
 from rlctl.orchestrator.environments import Environment, Prompt
 from rlctl.inference.client import policy_cache_salt
 from rlctl.inference.server import SERVED_MODEL_NAME
-from rlctl.orchestrator.rollouts import write_batch
+from rlctl.orchestrator.exchange.batches_fs import write_batch
 
 
 class PolicyVersion:

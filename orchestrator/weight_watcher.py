@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from rlctl.launchers.rundir import complete_steps
+from rlctl.orchestrator.exchange.steps import complete_steps
 from rlctl.orchestrator.loop import PolicyVersion
 
 Reloader = Callable[[Path], Awaitable[dict[str, Any]]]

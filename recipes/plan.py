@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlctl.launchers.placement import Placement
+from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.recipes.errors import RecipeError
 
 AUTO = "auto"

@@ -5,7 +5,7 @@ import math
 
 from rlctl.inference.plan import choose_tp, plan_inference
 from rlctl.launchers.hardware import gpu_spec
-from rlctl.launchers.placement import Placement
+from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.recipes import calibration as C
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.models import get_model_spec

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlctl.orchestrator.exchange.metrics import read_records
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny-cpu.toml")
 RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
@@ -24,7 +26,7 @@ def rlctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def metrics(run: Path) -> tuple[list[dict], list[dict]]:
     """(trainer records, orchestrator records), each sorted by step."""
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    recs = read_records(run)
     by = lambda comp: sorted((r for r in recs if r.get("component") == comp), key=lambda r: r["step"])  # noqa: E731
     return by("trainer"), by("orchestrator")
 

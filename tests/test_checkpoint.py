@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlctl.launchers.rundir import MARKER
+from rlctl.orchestrator.exchange.steps import MARKER
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.checkpoint import complete_checkpoints, prune, resolve_resume_step, trainer_part
-from rlctl.trainer.weights import publish_weights
+from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
 
 from trainer_fixtures import launch_ranks, make_run, synthetic_batch, trainer_metrics, wait_all, write_batches
 
@@ -68,7 +68,7 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path):
         write_batches(resumed, batches[step], [step])
     # a policy the abandoned attempt had published beyond the checkpoint must not survive the rewind
     stale = {k: v + 1 for k, v in load_file(full.weights / "step_4" / "model.safetensors").items()}
-    publish_weights(resumed.weights, 4, stale, json.loads((full.weights / "step_4" / "config.json").read_text()))
+    FilesystemWeightStore(resumed.weights).publish(4, stale, json.loads((full.weights / "step_4" / "config.json").read_text()))
     codes = wait_all(launch_ranks(resumed, 2, {"RLCTL_RESUME_STEP": "latest"}))
     assert codes == [0, 0], (resumed.root / "trainer_rank0.log").read_text()[-3000:]
 

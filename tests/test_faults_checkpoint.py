@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.launchers.checkpoints import complete_checkpoints, is_complete
+from rlctl.orchestrator.exchange.checkpoints import complete_checkpoints, is_complete
 from rlctl.launchers.resume import rewind
 
 from trainer_fixtures import launch_ranks, make_run, synthetic_batch, trainer_metrics, wait_all, write_batches

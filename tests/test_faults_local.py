@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.launchers.checkpoints import newest_complete
+from rlctl.orchestrator.exchange.metrics import read_records
+from rlctl.orchestrator.exchange.checkpoints import newest_complete
 from e2e_checks import leftover_processes, wait_for
 from rlctl.launchers.status import pid_alive, run_state
 
@@ -51,7 +52,7 @@ def ended(run: Path, timeout: float = 120):
 
 
 def metrics(run: Path, component: str) -> list[dict]:
-    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = read_records(run)
     return [r for r in lines if r["component"] == component]
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.launchers.checkpoints import complete_checkpoints, is_complete
+from rlctl.orchestrator.exchange.metrics import read_records
+from rlctl.orchestrator.exchange.checkpoints import complete_checkpoints, is_complete
 from e2e_checks import wait_for
 from rlctl.launchers.status import run_state
 
@@ -45,7 +46,7 @@ def wait_ended(run: Path, timeout: float = 240):
 
 
 def trainer_steps(run: Path) -> list[dict]:
-    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = read_records(run)
     return [r for r in lines if r["component"] == "trainer"]
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from rlctl.inference.__main__ import main
 from rlctl.inference.auth import AdminAuthMiddleware
-from rlctl.launchers.rundir import RunDir, atomic_write_json
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.files import atomic_write_json
 from rlctl.recipes.load import load_recipe
 
 TOKEN = "run-token-123"

@@ -30,7 +30,8 @@ from rlctl.inference.client import (  # noqa: E402
 )
 from rlctl.inference.router import start_router  # noqa: E402
 from e2e_checks import running, wait_for  # noqa: E402
-from rlctl.launchers.rundir import RunDir, atomic_write_json  # noqa: E402
+from rlctl.orchestrator.exchange.layout import RunDir  # noqa: E402
+from rlctl.orchestrator.exchange.files import atomic_write_json  # noqa: E402
 from rlctl.recipes.load import load_recipe  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -141,7 +142,8 @@ def preemptions(url: str) -> float:
 def test_reload_in_flight_matches_transformers_with_new_weights(server):
     from safetensors.torch import load_file
 
-    from rlctl.trainer.weights import load_config, publish_weights
+    from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
+    from rlctl.trainer.weights import load_config
 
     run, info, token, proc = server
     before = served_prompt_logprobs(InferenceClient(info["url"], token), 0)
@@ -151,7 +153,7 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
     state = load_file(str(run.model / "model.safetensors"))
     gen = torch.Generator().manual_seed(7)
     new = {k: v + (0.5 if "embed_tokens" in k else 0.05) * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    step_dir = publish_weights(run.weights, 1, new, load_config(run.model))
+    step_dir = FilesystemWeightStore(run.weights).publish(1, new, load_config(run.model))
     expected = transformers_prompt_logprobs(run.model, new)
     assert max_diff(expected, before) > 0.1  # the check below can tell old weights from new ones
 

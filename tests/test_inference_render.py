@@ -13,7 +13,7 @@ from rlctl.inference.server import (
     render_server_command,
     server_env,
 )
-from rlctl.launchers.placement import Placement
+from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.load import load_recipe
 

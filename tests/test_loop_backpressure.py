@@ -9,7 +9,7 @@ from sim_inference import fetch_stats, sim_server
 
 from rlctl.orchestrator.environments import load_environment
 from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
-from rlctl.orchestrator.rollouts import read_batch, step_dir
+from rlctl.orchestrator.exchange.batches_fs import read_batch, step_dir
 
 
 def test_ten_thousand_in_flight_bounded_and_exactly_once(tmp_path):

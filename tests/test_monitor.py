@@ -15,7 +15,7 @@ import typer
 from typer.testing import CliRunner
 
 from rlctl.cli import monitor as monitor_cli
-from rlctl.launchers.rundir import atomic_write_json
+from rlctl.orchestrator.exchange.files import atomic_write_json
 from rlctl.launchers.status import resolve_run, run_state
 
 # A supervisor like the local launcher's: starts component processes, records their pids, appends
@@ -23,7 +23,7 @@ from rlctl.launchers.status import resolve_run, run_state
 SUPERVISOR = r'''
 import json, os, socket, subprocess, sys, time
 from pathlib import Path
-from rlctl.launchers.rundir import append_jsonl, atomic_write_json
+from rlctl.orchestrator.exchange.files import append_jsonl, atomic_write_json
 run, steps, step_s, trainer_rc = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 status, host = run / "status", socket.gethostname()
 logs = run / "logs" / "attempt_1"
@@ -44,11 +44,11 @@ for group, comp, rank, rc, msg in [("orchestrator", "orchestrator", 0, 0, "orche
 for step in range(steps):
     time.sleep(step_s)
     now = time.time()
-    append_jsonl(run / "metrics.jsonl", {"component": "orchestrator", "step": step, "time": now, "reward_mean": 0.1 + 0.05 * step,
+    append_jsonl(run / "metrics" / "orchestrator.jsonl", {"component": "orchestrator", "step": step, "time": now, "reward_mean": 0.1 + 0.05 * step,
         "orchestrator_step_time_s": 1.0 + 0.1 * (step % 3), "wait_policy_s": 0.25, "rollouts_per_s": 40.0 + step,
         "tokens_per_s": 320.0, "off_policy_lag_mean": 0.5 + 0.1 * (step % 2), "off_policy_lag_max": 1, "dropped_groups": 0,
         "weight_reload_s": 0.05, "policy_version": step})
-    append_jsonl(run / "metrics.jsonl", {"component": "trainer", "step": step, "time": now, "trainer_step_time_s": 0.8 + 0.05 * step,
+    append_jsonl(run / "metrics" / "trainer.jsonl", {"component": "trainer", "step": step, "time": now, "trainer_step_time_s": 0.8 + 0.05 * step,
         "wait_batch_s": 0.2, "loss": 0.5, "mismatch_kl": 0.001, "entropy": 1.2, "grad_norm": 0.3, "weight_publish_s": 0.04, "tokens": 512})
 rc = 0
 for name, p in procs.items():
@@ -182,10 +182,11 @@ def test_tui_renders_to_text(finished):
     from rich.console import Console
 
     from rlctl.cli.monitor_view import BLOCKS, render_status
-    from rlctl.launchers.run_summary import log_errors, read_metrics
+    from rlctl.launchers.run_summary import log_errors
+    from rlctl.orchestrator.exchange.metrics import read_records
 
     status = run_state(finished)
-    metrics = read_metrics(finished / "metrics.jsonl")
+    metrics = read_records(finished)
     console = Console(record=True, width=130, color_system=None)
     console.print(render_status(status, metrics, log_errors(finished)))
     text = console.export_text()
@@ -205,15 +206,15 @@ def test_tui_shows_progress_and_eta_while_running(tmp_path):
     from rich.console import Console
 
     from rlctl.cli.monitor_view import render_status
-    from rlctl.launchers.run_summary import read_metrics
+    from rlctl.orchestrator.exchange.metrics import read_records
 
     run, proc = make_run(tmp_path, "live", steps=4, max_steps=40, step_s=0.3)
     try:
         deadline = time.time() + 30
-        while len(read_metrics(run / "metrics.jsonl")) < 6 and time.time() < deadline:
+        while len(read_records(run)) < 6 and time.time() < deadline:
             time.sleep(0.1)
         console = Console(record=True, width=130, color_system=None)
-        console.print(render_status(run_state(run), read_metrics(run / "metrics.jsonl")))
+        console.print(render_status(run_state(run), read_records(run)))
         text = console.export_text()
         assert "running" in text and "/40 steps" in text and "ETA" in text
     finally:

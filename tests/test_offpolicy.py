@@ -8,10 +8,10 @@ import random
 import torch
 from sim_inference import TOKEN_BASE, fetch_stats, sim_server
 
-from rlctl.launchers.rundir import MARKER
+from rlctl.orchestrator.exchange.steps import MARKER
 from rlctl.orchestrator.environments import Environment, Prompt, load_environment
 from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
-from rlctl.orchestrator.rollouts import read_batch, step_dir
+from rlctl.orchestrator.exchange.batches_fs import read_batch, step_dir
 from rlctl.orchestrator.weight_watcher import WeightWatcher, inference_reloader
 
 TOKEN = "tok"

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 from sim_inference import fetch_stats, sim_server
 
-from rlctl.launchers.placement import Placement
-from rlctl.launchers.rundir import MARKER, RunDir
-from rlctl.orchestrator.rollouts import read_batch, wait_for_batch
+from rlctl.orchestrator.exchange.metrics import read_records
+from rlctl.orchestrator.exchange.placement import Placement
+from rlctl.orchestrator.exchange.steps import MARKER
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.batches_fs import read_batch, wait_for_batch
 from rlctl.recipes.load import load_recipe
 
 ORCH_KEYS = {"component", "step", "time", "reward_mean", "orchestrator_step_time_s", "wait_policy_s", "rollouts_per_s",
@@ -63,7 +65,7 @@ def test_orchestrator_runs_to_done_through_the_real_router(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (run.root / "DONE").exists()
     assert f"step {steps}/{steps}" in proc.stdout
-    lines = [json.loads(x) for x in run.metrics.read_text().splitlines()]
+    lines = read_records(run)
     assert [x["step"] for x in lines] == list(range(steps))
     for x in lines:
         assert ORCH_KEYS <= set(x), ORCH_KEYS - set(x)

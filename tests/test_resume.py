@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.launchers.checkpoints import (complete_checkpoints, fallback_rng, is_complete, load_orchestrator_state,
+from rlctl.orchestrator.exchange.checkpoints import (complete_checkpoints, fallback_rng, is_complete, load_orchestrator_state,
                                          newest_complete, save_orchestrator_state)
 from rlctl.launchers.resume import rewind
-from rlctl.launchers.rundir import MARKER, RunDir, append_jsonl, atomic_write_json
+from rlctl.orchestrator.exchange.steps import MARKER
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.files import atomic_write_json
+from rlctl.orchestrator.exchange.metrics import append_record, read_records
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.checkpoint import prune
 
@@ -71,12 +74,12 @@ def make_history(tmp_path: Path) -> RunDir:
     for step in range(8):
         (run.rollouts / f"step_{step}").mkdir()
         (run.rollouts / f"step_{step}" / MARKER).write_text("{}")
-        append_jsonl(run.metrics, {"component": "orchestrator", "step": step, "reward_mean": step / 10})
-        append_jsonl(run.metrics, {"component": "trainer", "step": step, "loss": 0.0})
+        append_record(run, "orchestrator", {"component": "orchestrator", "step": step, "reward_mean": step / 10})
+        append_record(run, "trainer", {"component": "trainer", "step": step, "loss": 0.0})
     for step in range(9):
         (run.weights / f"step_{step}").mkdir()
         (run.weights / f"step_{step}" / MARKER).write_text("{}")
-    with open(run.metrics, "a") as f:
+    with open(run.metrics / "trainer.jsonl", "a") as f:
         f.write('{"component": "trainer", "st')  # a writer killed mid-line
     trainer_part(run, 3)
     trainer_part(run, 6)
@@ -93,7 +96,7 @@ def test_rewind_to_the_newest_complete_checkpoint(tmp_path):
     assert step_dirs(run.rollouts) == list(range(6))
     assert step_dirs(run.weights) == list(range(7))
     assert step_dirs(run.checkpoints) == [3, 6]
-    lines = [json.loads(x) for x in run.metrics.read_text().splitlines()]
+    lines = read_records(run)
     assert sorted({r["step"] for r in lines}) == list(range(6)) and len(lines) == 12
     assert not (run.root / "DONE").exists() and not (run.root / "PREEMPT").exists()
     assert "resuming from checkpoint step_6" in plan.describe()
@@ -115,7 +118,7 @@ def test_without_a_checkpoint_the_run_restarts_from_step_0(tmp_path):
     assert (plan.step, plan.from_checkpoint) == (0, False)
     assert "no complete checkpoint: restarting from step 0" in plan.describe()
     assert step_dirs(run.rollouts) == [] and step_dirs(run.weights) == [0] and step_dirs(run.checkpoints) == []
-    assert run.metrics.read_text() == ""
+    assert read_records(run) == []
 
 
 def test_resume_from_another_runs_checkpoint_takes_its_history(tmp_path):
@@ -124,7 +127,7 @@ def test_resume_from_another_runs_checkpoint_takes_its_history(tmp_path):
     target.create()
     plan = rewind(target, source=source.checkpoints / "step_3")
     assert plan.step == 3 and is_complete(target.checkpoints, 3)
-    assert sorted({json.loads(x)["step"] for x in target.metrics.read_text().splitlines()}) == [0, 1, 2]
+    assert sorted({r["step"] for r in read_records(target)}) == [0, 1, 2]
     with pytest.raises(RecipeError, match="not a complete checkpoint"):
         rewind(target, source=source.checkpoints / "step_7")
 
@@ -163,7 +166,7 @@ def test_resume_refuses_a_running_run_and_bad_input(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         atomic_write_json(run.manifest, {"name": "run", "scheduler": "local", "attempt": 0, "recipe": {}})
-        (run.root / "status").mkdir()
+        run.status.mkdir(exist_ok=True)
         atomic_write_json(run.root / "status" / "supervisor.json",
                           {"pid": sleeper.pid, "state": "running", "returncode": None, "time": time.time()})
         out = subprocess.run([*RLCTL, "resume", str(run.root)], capture_output=True, text=True, timeout=60)

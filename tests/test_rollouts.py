@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from rlctl.orchestrator.rollouts import CorruptRolloutError, read_batch, step_dir, wait_for_batch, write_batch
+from rlctl.orchestrator.exchange.batches_fs import CorruptRolloutError, read_batch, step_dir, wait_for_batch, write_batch
 
 
 def _batch(B=4, T=12, seed=0):
@@ -94,7 +94,7 @@ def test_wait_stops_on_stop_file_and_times_out(tmp_path):
 
 
 def test_crc_fallback_without_xxhash_round_trips_and_detects_corruption(tmp_path, monkeypatch):
-    from rlctl.orchestrator import rollouts
+    from rlctl.orchestrator.exchange import batches_fs as rollouts
 
     monkeypatch.setattr(rollouts, "_have_xxhash", lambda: False)
     tensors = _batch(B=8, T=64)

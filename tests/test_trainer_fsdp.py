@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from rlctl.launchers.rundir import complete_steps
+from rlctl.orchestrator.exchange.steps import complete_steps
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.parallel import resolve_dims
 

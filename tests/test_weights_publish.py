@@ -8,15 +8,20 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from rlctl.launchers.rundir import MARKER, complete_steps
-from rlctl.trainer.weights import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    discard_after,
-    hf_state_dict,
-    latest_complete,
-    publish_weights,
-)
+from rlctl.orchestrator.exchange.steps import MARKER, complete_steps
+from rlctl.orchestrator.exchange.weights_fs import CONFIG_FILE, WEIGHTS_FILE, FilesystemWeightStore, hf_state_dict
+
+
+def publish_weights(folder, step, state, config):
+    return FilesystemWeightStore(folder).publish(step, state, config)
+
+
+def latest_complete(folder):
+    return FilesystemWeightStore(folder).latest()
+
+
+def discard_after(folder, step):
+    return FilesystemWeightStore(folder).discard_after(step)
 
 CONFIG = {"model_type": "qwen3", "tie_word_embeddings": True}
 
@@ -93,7 +98,7 @@ def test_reader_racing_the_writer_never_sees_a_partial_step(tmp_path):
                 checked.add(step)
             # every step directory that is visible under its final name has all its files already
             for child in tmp_path.glob("step_*"):
-                names = set(os.listdir(child)) - {MARKER, f".{MARKER}.tmp"}
+                names = {n for n in os.listdir(child) if n != MARKER and not n.startswith(f".{MARKER}.")}
                 assert names == {WEIGHTS_FILE, CONFIG_FILE}, f"{child.name} visible while partial: {names}"
     finally:
         proc.join(timeout=60)

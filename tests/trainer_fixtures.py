@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from rlctl.launchers.rundir import RunDir
-from rlctl.orchestrator.rollouts import write_batch
+from rlctl.orchestrator.exchange.metrics import read_records
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.batches_fs import write_batch
 from rlctl.recipes.load import load_recipe
 from rlctl.trainer.tiny_model import build_tiny_model
 
@@ -118,7 +119,7 @@ def wait_all(procs, timeout: float = 300) -> list[int]:
 
 
 def trainer_metrics(run: RunDir) -> list[dict]:
-    if not run.metrics.exists():
+    if not run.metrics.is_dir():
         return []
-    lines = [json.loads(x) for x in run.metrics.read_text().splitlines() if x.strip()]
+    lines = read_records(run)
     return [x for x in lines if x.get("component") == "trainer"]

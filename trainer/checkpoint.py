@@ -11,10 +11,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-# Which steps are complete is one rule for every component's part: `rlctl.launchers.checkpoints`.
-from rlctl.launchers.checkpoints import TRAINER as PART
-from rlctl.launchers.checkpoints import complete_checkpoints, is_complete, newest_complete, step_path
-from rlctl.launchers.rundir import MARKER, fsync_path, parse_step
+# Which steps are complete is one rule for every component's part: `rlctl.orchestrator.exchange.checkpoints`.
+from rlctl.orchestrator.exchange.checkpoints import TRAINER as PART
+from rlctl.orchestrator.exchange.checkpoints import (complete_checkpoints, is_complete, newest_complete,
+                                                     remove_checkpoint, seal_part, step_path)
+from rlctl.orchestrator.exchange.files import fsync_path, private_dir
+from rlctl.orchestrator.exchange.steps import MARKER, parse_step
 
 
 def trainer_part(checkpoints: Path, step: int) -> Path:
@@ -64,7 +66,7 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
         for leftover in (stage, final):  # a crashed earlier attempt at this step
             if leftover.exists():
                 shutil.rmtree(leftover)
-        stage.mkdir(parents=True)
+        private_dir(stage)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
@@ -83,8 +85,6 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
         ) from exc
     _barrier()
     if rank == 0:
-        from rlctl.launchers.checkpoints import seal_part
-
         seal_part(stage, final, step)
         prune(checkpoints, keep_last)
     _barrier()
@@ -122,7 +122,7 @@ def prune(checkpoints: Path, keep_last: int) -> list[int]:
     for child in Path(checkpoints).iterdir():
         step = parse_step(child.name)
         if step is not None and step < kept[0]:
-            shutil.rmtree(child, ignore_errors=True)
+            remove_checkpoint(child)
             deleted.append(step)
     return sorted(deleted)
 
@@ -155,7 +155,7 @@ def load_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, r
     extra_path = final / f"extra_rank{rank}.pt"
     if not extra_path.exists():  # resumed with more ranks than saved: reuse rank 0's schedule/RNG
         extra_path = final / "extra_rank0.pt"
-    extra = torch.load(extra_path, weights_only=False)
+    extra = torch.load(extra_path, weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])
 

@@ -15,12 +15,14 @@ import time
 import traceback
 from pathlib import Path
 
-from rlctl.launchers.rundir import RunDir, append_jsonl, step_dir_name
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
+from rlctl.orchestrator.exchange.metrics import append_record
+from rlctl.orchestrator.exchange.steps import step_dir_name
 from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.load import validate
 from rlctl.trainer.checkpoint import CheckpointWriteError
 
-DONE_FILE = "DONE"
-PREEMPT_FILE = "PREEMPT"  # a preemption/timeout signal arrived: checkpoint at the current step and stop
 PREEMPTED = object()
 
 
@@ -55,15 +57,14 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
         )
+        self.weight_store = FilesystemWeightStore(run.weights)
         self.max_steps = recipe.orchestrator.max_steps
         self.start_step = 0
         if resume_step is not None:
             load_checkpoint(run.checkpoints, resume_step, self.model, self.optimizer, self.scheduler, self.rank)
             self.start_step = resume_step
             if self.rank == 0:
-                from rlctl.trainer.weights import discard_after
-
-                dropped = discard_after(run.weights, resume_step)
+                dropped = self.weight_store.discard_after(resume_step)
                 if dropped:
                     self.log(f"resumed at step {resume_step}: removed newer published weights {dropped}")
         self.log(
@@ -78,13 +79,12 @@ class Trainer:
     # ---- weights -------------------------------------------------------------------------
     def publish(self, step: int) -> float:
         """Collective: gather the full weights and publish them as `weights/step_N` (rank 0 writes)."""
-        from rlctl.launchers.rundir import MARKER
-        from rlctl.trainer.weights import gather_full_state_dict, publish_weights
+        from rlctl.trainer.weights import gather_full_state_dict
 
         t0 = time.perf_counter()
         state = gather_full_state_dict(self.model)
-        if self.rank == 0 and not (self.run.weights / step_dir_name(step) / MARKER).exists():
-            publish_weights(self.run.weights, step, state, self.hf_config)
+        if self.rank == 0:
+            self.weight_store.publish(step, state, self.hf_config)
         return time.perf_counter() - t0
 
     # ---- one step ------------------------------------------------------------------------
@@ -154,12 +154,12 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> int:
-        from rlctl.orchestrator.rollouts import read_batch
+        from rlctl.orchestrator.exchange.batches_fs import read_batch
         from rlctl.trainer.checkpoint import save_checkpoint
 
         publish_s = self.publish(self.start_step)
         self.log(f"published weights/{step_dir_name(self.start_step)} in {publish_s:.3f}s")
-        done = self.run.root / DONE_FILE
+        done = self.run.done
         ckpt = self.recipe.checkpoint
         for step in range(self.start_step, self.max_steps):
             t_wait = time.perf_counter()
@@ -167,7 +167,7 @@ class Trainer:
             if self._agree_on_preemption(folder is PREEMPTED):
                 return self._checkpoint_and_stop(step)
             if folder is None:
-                self.log(f"{DONE_FILE} appeared before rollouts/{step_dir_name(step)}: stopping at step {step}")
+                self.log(f"{done.name} appeared before rollouts/{step_dir_name(step)}: stopping at step {step}")
                 return 0
             batch, meta = read_batch(folder)
             wait_s = time.perf_counter() - t_wait
@@ -183,7 +183,7 @@ class Trainer:
                     "policy_version_max": meta.get("policy_version_max"),
                     **metrics,
                 }
-                append_jsonl(self.run.metrics, record)
+                append_record(self.run, "trainer", record)
                 self.log(
                     f"step {step}: loss={metrics['loss']:+.4f} kl={metrics['mismatch_kl']:.2e} "
                     f"entropy={metrics.get('entropy', float('nan')):.3f} grad_norm={metrics['grad_norm']:.3f} "
@@ -200,10 +200,10 @@ class Trainer:
     # ---- preemption: `<run>/PREEMPT` (written by the Slurm batch script on USR2) ----------------
     def _wait_batch_or_preempt(self, step: int, done: Path):
         """The batch folder of `step`, None on DONE, or PREEMPTED when a preemption was requested."""
-        from rlctl.orchestrator.rollouts import wait_for_batch
+        from rlctl.orchestrator.exchange.batches_fs import wait_for_batch
 
         deadline = time.monotonic() + self.cfg.batch_timeout_s
-        preempt = self.run.root / PREEMPT_FILE
+        preempt = self.run.preempt
         while True:
             if preempt.exists():
                 return PREEMPTED
@@ -219,7 +219,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if mine or (self.run.root / PREEMPT_FILE).exists() else 0.0], device=self.device)
+        flag = torch.tensor([1.0 if mine or self.run.preempt.exists() else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         run = RunDir(Path(args.run_dir))
         if not run.recipe_json.is_file():
             raise RecipeError(f"{run.recipe_json} does not exist (not a run directory?)", "run dir")
-        code = Trainer(run, run.load_recipe(), args.resume_step).fit()
+        code = Trainer(run, validate(run.recipe_data()), args.resume_step).fit()
     except RecipeError as exc:
         print(f"trainer rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         code = RecipeError.exit_code

@@ -14,14 +14,11 @@ directory without its marker (a crash between rename and marker) makes the step 
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
-from rlctl.launchers.rundir import MARKER, atomic_write_json, fsync_path, parse_step, step_dir_name
+from rlctl.orchestrator.exchange.steps import MARKER, parse_step, publish_step, remove_step, seal, step_dir_name
 
 TRAINER, ORCHESTRATOR = "trainer", "orchestrator"
 STATE_FILE = "state.json"
@@ -52,34 +49,31 @@ def complete_checkpoints(checkpoints: Path) -> list[int]:
     return [s for s in all_steps(checkpoints) if is_complete(checkpoints, s)]
 
 
+def remove_checkpoint(folder: Path) -> None:
+    """Every part's marker first (then the step is incomplete for every reader), then the files."""
+    for part in folder.iterdir() if folder.is_dir() else ():
+        if part.is_dir():
+            (part / MARKER).unlink(missing_ok=True)
+    remove_step(folder)
+
+
 def newest_complete(checkpoints: Path) -> int | None:
     done = complete_checkpoints(checkpoints)
     return done[-1] if done else None
 
 
 def write_part(checkpoints: Path, step: int, part: str, files: dict[str, bytes]) -> Path:
-    """Write a small part (whole files in memory): stage, fsync, rename, then the marker."""
-    final = step_path(checkpoints, step) / part
-    stage = final.parent / f".{part}.tmp"
-    for leftover in (stage, final):
-        if leftover.exists():
-            shutil.rmtree(leftover)
-    stage.mkdir(parents=True)
-    for name, data in files.items():
-        with open(stage / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    seal_part(stage, final, step)
-    return final
+    """Write a small part (whole files in memory) with the one publishing protocol."""
+    def write(stage: Path) -> None:
+        for name, data in files.items():
+            (stage / name).write_bytes(data)
+
+    return publish_step(step_path(checkpoints, step), part, write, {"step": step})
 
 
 def seal_part(stage: Path, final: Path, step: int) -> None:
-    """Make a fully written staged part visible: fsync, rename to its final name, marker last."""
-    fsync_path(stage)
-    os.rename(stage, final)
-    fsync_path(final.parent)
-    atomic_write_json(final / MARKER, {"step": step, "time": time.time()})
+    """Make a part written collectively into `stage` (DCP, every rank) visible: rename, marker last."""
+    seal(stage, final, {"step": step})
 
 
 # ---- the orchestrator's part --------------------------------------------------------------------
@@ -121,4 +115,4 @@ def prune_progress(checkpoints: Path, keep_from: int) -> None:
     for step in all_steps(checkpoints):
         folder = step_path(checkpoints, step)
         if step < keep_from and not (folder / TRAINER).exists():
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_checkpoint(folder)

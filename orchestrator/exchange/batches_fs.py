@@ -21,14 +21,13 @@ import hashlib
 import json
 import mmap
 import os
-import shutil
-import tempfile
 import time
 import zlib
 from pathlib import Path
 from typing import Any
 
-from rlctl.launchers.rundir import MARKER, atomic_write_json, fsync_path
+from rlctl.orchestrator.exchange.batches import BatchReader, BatchWriter
+from rlctl.orchestrator.exchange.steps import MARKER, complete_steps, publish_step, remove_steps, step_dir_name
 
 FORMAT = "rlctl-rollouts-v1"
 BATCH_FILE = "batch.safetensors"
@@ -40,7 +39,7 @@ class CorruptRolloutError(RuntimeError):
 
 
 def step_dir(rollouts_dir: Path, step: int) -> Path:
-    return Path(rollouts_dir) / f"step_{step}"
+    return Path(rollouts_dir) / step_dir_name(step)
 
 
 _CHUNK = 16 << 20  # checksum granularity: chunks are CRC'd in parallel threads (zlib releases the GIL)
@@ -108,27 +107,15 @@ def write_batch(rollouts_dir: Path, step: int, tensors: dict, meta: dict[str, An
     head += b" " * (-len(head) % 8)  # data starts 8-byte aligned
     total = 8 + len(head) + data_len
 
-    staging = Path(tempfile.mkdtemp(prefix=f".step_{step}.", suffix=".tmp", dir=rollouts_dir))
-    try:
-        with open(staging / BATCH_FILE, "wb") as f:
+    def write(stage: Path) -> None:
+        with open(stage / BATCH_FILE, "wb") as f:
             f.write(len(head).to_bytes(8, "little"))
             f.write(head)
             for view in views:
                 f.write(view)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(staging, 0o755)
-        if final.exists():  # incomplete leftover of a crashed writer
-            shutil.rmtree(final)
-        os.rename(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    fsync_path(rollouts_dir)
+
     marker = {"format": FORMAT, "step": step, "file": BATCH_FILE, "bytes": total, "checksum": checksum}
-    atomic_write_json(final / MARKER, marker)
-    fsync_path(final)
-    return final
+    return publish_step(rollouts_dir, final.name, write, marker)
 
 
 def _have_xxhash() -> bool:
@@ -233,6 +220,9 @@ def read_batch(path: Path) -> tuple[dict, dict[str, Any]]:
         actual = _xxh3(header, [data])
     else:
         actual = _checksum_parts(header, [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)])
+    if marker.get("checksum") != expected:
+        raise CorruptRolloutError(f"rollout batch {file} carries checksum {expected} but its marker says "
+                                  f"{marker.get('checksum')} (file replaced after publication)")
     if expected != actual:
         raise CorruptRolloutError(f"rollout batch {file} fails its checksum ({actual} != {expected}): corrupted on disk")
     dtypes = {v: k for k, v in _dtype_names().items()}
@@ -265,3 +255,28 @@ def wait_for_batch(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"rollout batch step_{step} did not appear in {rollouts_dir} within {timeout:.0f}s")
         time.sleep(poll)
+
+
+class FilesystemBatchWriter(BatchWriter):
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def write(self, step: int, tensors: dict, meta: dict[str, Any]) -> None:
+        write_batch(self.folder, step, tensors, meta)
+
+    def written(self) -> list[int]:
+        return complete_steps(self.folder)
+
+
+class FilesystemBatchReader(BatchReader):
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def wait(self, step: int, timeout: float, stop_file: Path | None = None) -> bool:
+        return wait_for_batch(self.folder, step, timeout, stop_file=stop_file) is not None
+
+    def read(self, step: int) -> tuple[dict, dict[str, Any]]:
+        return read_batch(step_dir(self.folder, step))
+
+    def release(self, before: int) -> list[int]:
+        return remove_steps(self.folder, lambda s: s >= before)
