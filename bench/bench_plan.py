@@ -2,7 +2,7 @@
 import sys
 import time
 
-from rlctl.launchers.cluster import ClusterProfile
+from rlctl.recipes.clusters import ClusterProfile
 from rlctl.recipes.load import load_recipe
 from rlctl.recipes.plan import plan
 

@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         override: List[str] = typer.Option([], "--override", "-o", help="key.path=value override (repeatable)."),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     ) -> None:
-        from rlctl.launchers.cluster import load_profile
+        from rlctl.recipes.clusters import load_profile
         from rlctl.recipes.load import load_recipe
         from rlctl.recipes.plan import plan
 

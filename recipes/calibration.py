@@ -1,7 +1,7 @@
 """Every efficiency factor of `rlctl plan`, in one place, with the published run it was fitted to.
 
 The planner is a roofline model: time = work / (peak × efficiency). The peaks come from the GPU
-catalog (launchers/hardware.py); the efficiencies below are the only tuned numbers. Each is a
+catalog (recipes/hardware.py); the efficiencies below are the only tuned numbers. Each is a
 physical quantity (a fraction of a datasheet peak, a latency, a byte count), not a correction
 applied to a final result. `tests/test_plan.py` checks the calibration runs stay within ±25%.
 """

@@ -29,7 +29,7 @@ def _cpu_groups(recipe) -> bool:
 
 def _profile(recipe, profile):
     if profile is None:
-        from rlctl.launchers.cluster import load_profile
+        from rlctl.recipes.clusters import load_profile
 
         profile = load_profile(recipe.cluster.profile)
     return profile

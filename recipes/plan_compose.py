@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from rlctl.inference.plan import choose_tp, plan_inference
-from rlctl.launchers.hardware import gpu_spec
+from rlctl.recipes.hardware import gpu_spec
 from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.recipes import calibration as C
 from rlctl.recipes.errors import RecipeError

@@ -5,8 +5,8 @@ import pytest
 
 from rlctl.inference.config import InferenceConfig
 from rlctl.inference.plan import plan_inference
-from rlctl.launchers.cluster import load_profile
-from rlctl.launchers.hardware import gpu_spec
+from rlctl.recipes.clusters import load_profile
+from rlctl.recipes.hardware import gpu_spec
 from rlctl.recipes.load import load_recipe
 from rlctl.recipes.models import get_model_spec
 from rlctl.recipes.plan import compute_placement, plan

@@ -72,7 +72,7 @@ class ClusterProfile(StrictModel):
 
 
 def builtin_profile_names() -> list[str]:
-    root = resources.files("rlctl.launchers").joinpath("profiles")
+    root = resources.files("rlctl.recipes").joinpath("profiles")
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -87,7 +87,7 @@ def load_profile(ref: str) -> ClusterProfile:
     if not path.is_file():
         if "/" in ref or ref.endswith((".yaml", ".yml")):
             raise RecipeError(f"cluster profile file not found: {ref}", key="cluster.profile")
-        path = Path(str(resources.files("rlctl.launchers").joinpath("profiles", f"{ref}.yaml")))
+        path = Path(str(resources.files("rlctl.recipes").joinpath("profiles", f"{ref}.yaml")))
         if not path.is_file():
             raise RecipeError(
                 f"unknown cluster profile {ref!r} (built-in: {', '.join(builtin_profile_names())}, or a YAML path)",
