@@ -9,6 +9,7 @@ from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.recipes import calibration as C
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.models import get_model_spec
+from rlctl.recipes.plan_report import PlanReport, cpu_groups, cpu_placement, orchestrator_site
 from rlctl.trainer.plan import memory_breakdown, plan_trainer
 
 AUTO = "auto"
@@ -183,9 +184,7 @@ def _search(recipe, spec, profile, gpu, shape):
 
 
 def _cpu_report(recipe, spec, profile, shape, errors, warnings):
-    from rlctl.recipes.plan import compute_placement
-
-    placement = compute_placement(recipe, profile)
+    placement = cpu_placement(recipe, profile)
     rollouts, mean, completion, in_flight, tokens = shape
     ranks = placement.trainer_ranks_per_node * placement.trainer_nodes
     mem, _ = memory_breakdown(spec, shard=ranks, ep=1, cp=1, tp=1, seq_len=recipe.inference.max_model_len,
@@ -209,7 +208,6 @@ def _cpu_report(recipe, spec, profile, shape, errors, warnings):
 
 
 def build_report(recipe, profile):
-    from rlctl.recipes.plan import PlanReport
 
     spec = get_model_spec(recipe.model.name)
     check_static(recipe, spec, profile)
@@ -223,9 +221,8 @@ def build_report(recipe, profile):
     if o.max_tokens > recipe.inference.max_model_len:
         warnings.append(f"orchestrator.max_tokens={o.max_tokens} exceeds inference.max_model_len="
                         f"{recipe.inference.max_model_len}; rollouts will be truncated")
-    from rlctl.recipes.plan import _cpu_groups
 
-    if profile.gpus_per_node == 0 or _cpu_groups(recipe):
+    if profile.gpus_per_node == 0 or cpu_groups(recipe):
         placement, trainer, inference, trainer_s, rollout_s = _cpu_report(recipe, spec, profile, shape, errors, warnings)
     else:
         gpu = gpu_spec(profile.gpu)
@@ -270,6 +267,5 @@ def _finite(x: float):
 
 
 def _site(recipe, profile) -> str:
-    from rlctl.recipes.plan import _orchestrator_site
 
-    return _orchestrator_site(recipe, profile)
+    return orchestrator_site(recipe, profile)
