@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import Field
 
 from rlctl.recipes.base import StrictModel
 from rlctl.recipes.errors import RecipeError
@@ -27,9 +27,9 @@ class ClusterProfile(StrictModel):
     """Profile name."""
     scheduler: Literal["slurm", "local"] = "slurm"
     """`slurm` submits heterogeneous jobs; `local` runs every component as a local process."""
-    nodes: int
+    nodes: Annotated[int, Field(ge=1)]
     """GPU nodes available to one job."""
-    gpus_per_node: int
+    gpus_per_node: Annotated[int, Field(ge=0)]
     """GPUs per node (0 for CPU-only machines)."""
     gpu: str = "cpu"
     """GPU kind, a key of the GPU catalog (`h100-sxm`, `h200`, `b200`, `a100-80gb`, `cpu`)."""
@@ -37,7 +37,7 @@ class ClusterProfile(StrictModel):
     """CPU cores per node."""
     mem_gib_per_node: int = 512
     """CPU memory per node in GiB."""
-    cpu_nodes: int = 0
+    cpu_nodes: Annotated[int, Field(ge=0)] = 0
     """CPU-only nodes in the `cpu` partition (for router + orchestrator)."""
     interconnect_gbps: float = 400.0
     """Inter-node bandwidth per GPU in Gbit/s (e.g. 400 for NDR InfiniBand)."""
@@ -55,20 +55,6 @@ class ClusterProfile(StrictModel):
     """Default Slurm node constraint."""
     gres_gpu: bool = True
     """Request GPUs with `--gpus-per-node` (set false on clusters without GPU gres)."""
-
-    @field_validator("nodes")
-    @classmethod
-    def _nodes(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("nodes must be >= 1")
-        return v
-
-    @field_validator("gpus_per_node", "cpu_nodes")
-    @classmethod
-    def _non_negative(cls, v: int, info) -> int:
-        if v < 0:
-            raise ValueError(f"{info.field_name} must be >= 0")
-        return v
 
 
 def builtin_profile_names() -> list[str]:
