@@ -251,9 +251,10 @@ class HetSlurmExecutor(SlurmExecutor):
 
     def __init__(self, folder: Path, groups: list[JobGroup], *, job_name: str, batch_log: Path,
                  grace_period_s: int, env: dict[str, str] | None = None, python: str | None = None,
-                 requeue: dict | None = None):
+                 requeue: dict | None = None, hold: bool = False):
         super().__init__(folder, max_num_timeout=0, python=python)
         self.requeue = requeue
+        self.hold = hold  # `sbatch --hold`: the job starts only once `scontrol release` is run
         self.groups = list(groups)
         self.job_name = job_name
         self.batch_log = Path(batch_log)
@@ -272,7 +273,7 @@ class HetSlurmExecutor(SlurmExecutor):
 
     def _make_submission_command(self, submission_file_path: Path) -> list[str]:
         unset = [a for k in strip_slurm_env(dict(os.environ)) for a in ("-u", k)]
-        return ["env", *unset, "sbatch", str(submission_file_path)]
+        return ["env", *unset, "sbatch", *(["--hold"] if self.hold else []), str(submission_file_path)]
 
     def _internal_process_submissions(self, delayed_submissions):
         raise TypeError("het jobs are submitted with submit_groups(), one callable per group")
