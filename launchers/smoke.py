@@ -6,6 +6,11 @@ component protocol: inference tasks announce a URL, the orchestrator waits for e
 announcement and every trainer rank, announces a router, holds `deployment.smoke.run_s` seconds, writes `DONE` and exits 0;
 trainer and inference tasks exit 0 once `DONE` exists. `deployment.smoke.fail_*` makes one rank exit
 with an error code, for teardown tests.
+
+With `deployment.smoke.steps` the trainer (rank 0) also publishes small real weights every step through
+the weight store and applies the run's retention, and the orchestrator plays the weight watcher: it
+"loads" (reads) each newest step and records the served version; the trainer trains step N only once
+version N - max_off_policy_steps is served, as the real one waits for a batch of such a policy.
 """
 from __future__ import annotations
 
@@ -89,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         record["saw"] = {"inference": [a["url"] for a in run.announced("inference")], "router": router["url"]}
         atomic_write_json(out, record)
         if steps:  # the smoke trainer ends the run
-            _wait_done(run)
+            code = _smoke_weight_watcher(run)
+            if code:
+                return code
         else:
             time.sleep(float(smoke.get("run_s", 1.0)))
             atomic_write_json(run.done, {"time": time.time(), "by": "smoke"})
@@ -101,6 +108,7 @@ def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: fl
     """A step counter with the real checkpoint protocol (parts + markers, PREEMPT, resume step)."""
     from rlctl.orchestrator.exchange.checkpoints import TRAINER, is_complete, write_part
     from rlctl.orchestrator.exchange.metrics import append_record
+    from rlctl.orchestrator.exchange.retention import prune_checkpoints, sweep_trainer_staging
 
     preempt, done = run.preempt, run.done
     if rank != 0:
@@ -113,13 +121,23 @@ def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: fl
         print(f"smoke trainer: error: no complete checkpoint step_{start}", flush=True)
         return 2
     interval = int(recipe.get("checkpoint", {}).get("interval", 0))
+    keep_checkpoints = int(recipe.get("checkpoint", {}).get("keep_last", 2))
     attempt = int(os.environ.get("RLCTL_ATTEMPT", "0"))
 
     def save(step: int) -> None:
         write_part(run.checkpoints, step, TRAINER, {"state.json": json.dumps({"step": step}).encode()})
+        prune_checkpoints(run.checkpoints, keep_checkpoints)
 
+    sweep_trainer_staging(run)
+    publish = _weights_publisher(run, recipe)
+    publish(start)
+    off_policy = int(recipe.get("orchestrator", {}).get("max_off_policy_steps", 1))
+    timeout_s = float(recipe.get("trainer", {}).get("batch_timeout_s", 3600.0))
     print(f"smoke trainer: steps {start}..{steps - 1} (attempt {attempt})", flush=True)
     for step in range(start, steps):
+        if not _wait_served(run, step - off_policy, timeout_s):
+            print(f"smoke trainer: version {step - off_policy} not served within {timeout_s:.0f}s", flush=True)
+            return 1
         if preempt.exists():
             save(step)
             print(f"smoke trainer: preempted, checkpoint step_{step} saved", flush=True)
@@ -127,10 +145,72 @@ def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: fl
         time.sleep(step_s)
         append_record(run, "trainer", {"component": "trainer", "step": step, "time": time.time(),
                                    "reward_mean": round(step / steps, 6), "attempt": attempt})
+        publish(step + 1)
         if interval and (step + 1) % interval == 0:
             save(step + 1)
     atomic_write_json(done, {"time": time.time(), "by": "smoke trainer", "steps": steps})
     print("smoke trainer: DONE", flush=True)
+    return 0
+
+
+SMOKE_WEIGHTS_NUMEL = 1 << 18  # 1 MiB of float32 per published step: tiny, yet far above the metrics' growth
+
+
+def _weights_publisher(run: RunDir, recipe: dict):
+    """publish(step): small real weights through the weight store, then the run's weight retention."""
+    import torch
+
+    from rlctl.orchestrator.exchange.retention import retain_weights
+    from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
+
+    store = FilesystemWeightStore(run.weights)
+    keep_last = int(recipe.get("weights", {}).get("keep_last", 2))
+
+    def publish(step: int) -> None:
+        store.publish(step, {"smoke.weight": torch.full((SMOKE_WEIGHTS_NUMEL,), float(step))}, {"smoke": True})
+        retain_weights(run, store, keep_last)
+
+    return publish
+
+
+def _wait_served(run: RunDir, version: int, timeout_s: float) -> bool:
+    """Until the servers serve `version` (or newer), or PREEMPT / DONE appears; False on timeout."""
+    from rlctl.orchestrator.exchange.retention import served_floor
+
+    deadline = time.monotonic() + timeout_s
+    while version > 0 and not (run.preempt.exists() or run.done.exists()):
+        served = served_floor(run)
+        if served is not None and served >= version:
+            break
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _smoke_weight_watcher(run: RunDir) -> int:
+    """The orchestrator's weight watcher without servers: record the served version (0 at start),
+    read every newest complete step as a server would load it, record it, until DONE. A step that
+    vanishes while it is being read is the failure retention must never cause: exit 5."""
+    from rlctl.orchestrator.exchange.retention import record_serving
+    from rlctl.orchestrator.exchange.weights_fs import WEIGHTS_FILE, FilesystemWeightStore
+
+    store = FilesystemWeightStore(run.weights)
+    served = 0
+    record_serving(run, served)
+    while not run.done.exists():
+        newest = store.latest()
+        if newest is None or newest <= served:
+            time.sleep(0.005)
+            continue
+        try:
+            (store.location(newest) / WEIGHTS_FILE).read_bytes()
+        except FileNotFoundError:
+            print(f"smoke orchestrator: weights/step_{newest} vanished while being loaded", flush=True)
+            return 5
+        served = newest
+        record_serving(run, served)
+    print(f"smoke orchestrator: served up to step_{served}", flush=True)
     return 0
 
 

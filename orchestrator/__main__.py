@@ -89,8 +89,10 @@ def wait_for_servers(run: RunDir, count: int, attempt: int, timeout_s: float) ->
 async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[str], token: str) -> None:
     from rlctl.orchestrator.environments import load_environment
     from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
+    from rlctl.orchestrator.exchange.retention import record_serving, sweep_orchestrator_staging
     from rlctl.orchestrator.weight_watcher import WeightWatcher, inference_reloader
 
+    sweep_orchestrator_staging(run)  # before the first write: leftovers are a killed orchestrator's
     cfg = recipe.orchestrator
     env = load_environment(cfg.environment.name, cfg.environment.args)
     start_step = resume_start_step(run)
@@ -98,7 +100,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
     end_step = cfg.max_steps
     policy = PolicyVersion(0)  # servers start from the initial weights (= weights/step_0)
     reload, close = inference_reloader(server_urls, token)
-    watcher = WeightWatcher(run.weights, policy, reload)
+    watcher = WeightWatcher(run.weights, policy, reload, serving=lambda version: record_serving(run, version))
     reload_index = 0
 
     def on_batch(step: int, groups, metrics: dict) -> None:

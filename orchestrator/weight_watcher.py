@@ -5,6 +5,10 @@ complete, the watcher pauses all servers (mode `keep`: running requests freeze a
 under the new weights), reloads each in place, resumes them, and only then bumps the version — so a
 token is never tagged with a version newer than the weights that produced it (see `loop.py`). If
 several steps landed meanwhile, it jumps straight to the newest. Nothing is restarted.
+
+`serving(version)` records what the servers serve (the trainer's retention keeps every newer step,
+see `exchange/retention.py`): once at start, before the first look for weights, and after each
+reload has finished, before the version is bumped.
 """
 from __future__ import annotations
 
@@ -35,11 +39,13 @@ def inference_reloader(server_urls: list[str], token: str, pause_mode: str = "ke
 
 
 class WeightWatcher:
-    def __init__(self, weights_dir: Path, policy: PolicyVersion, reload: Reloader, poll_s: float = 0.02):
+    def __init__(self, weights_dir: Path, policy: PolicyVersion, reload: Reloader, poll_s: float = 0.02,
+                 serving: Callable[[int], None] | None = None):
         self.weights_dir = Path(weights_dir)
         self.policy = policy
         self.reload = reload
         self.poll_s = poll_s
+        self.serving = serving
         self.reloads: list[dict[str, Any]] = []  # one record per applied step: step, timings, when
 
     def newest_step(self) -> int | None:
@@ -51,6 +57,7 @@ class WeightWatcher:
         timings = await self.reload(self.weights_dir / f"step_{step}")
         record = {"step": step, "reload_s": time.perf_counter() - start, **timings, "time": time.time()}
         self.reloads.append(record)
+        await self._record_serving(step)
         await self.policy.set(step)
         return record
 
@@ -60,9 +67,14 @@ class WeightWatcher:
 
     async def run(self) -> None:
         """Poll forever (cancel to stop); reload errors propagate and fail the orchestrator."""
+        await self._record_serving(self.policy.version)
         while True:
             newest = await asyncio.to_thread(self.newest_step)
             if newest is not None and newest > self.policy.version:
                 await self.apply(newest)
             else:
                 await asyncio.sleep(self.poll_s)
+
+    async def _record_serving(self, version: int) -> None:
+        if self.serving is not None:
+            await asyncio.to_thread(self.serving, version)

@@ -13,10 +13,11 @@ from pathlib import Path
 
 # Which steps are complete is one rule for every component's part: `rlctl.orchestrator.exchange.checkpoints`.
 from rlctl.orchestrator.exchange.checkpoints import TRAINER as PART
-from rlctl.orchestrator.exchange.checkpoints import (complete_checkpoints, is_complete, newest_complete,
-                                                     remove_checkpoint, seal_part, step_path)
+from rlctl.orchestrator.exchange.checkpoints import (complete_checkpoints, is_complete, newest_complete, seal_part,
+                                                     step_path)
 from rlctl.orchestrator.exchange.files import fsync_path, private_dir
-from rlctl.orchestrator.exchange.steps import MARKER, parse_step
+from rlctl.orchestrator.exchange.retention import prune_checkpoints
+from rlctl.orchestrator.exchange.steps import MARKER
 
 
 def trainer_part(checkpoints: Path, step: int) -> Path:
@@ -109,22 +110,8 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def prune(checkpoints: Path, keep_last: int) -> list[int]:
-    """Delete step directories older than the `keep_last` newest complete ones; returns deleted steps.
-
-    The newest complete checkpoint is always kept (keep_last < 1 counts as 1), and nothing newer than
-    the oldest kept one is touched (a checkpoint in progress stays).
-    """
-    complete = complete_checkpoints(checkpoints)
-    if not complete:
-        return []
-    kept = complete[-max(keep_last, 1) :]
-    deleted = []
-    for child in Path(checkpoints).iterdir():
-        step = parse_step(child.name)
-        if step is not None and step < kept[0]:
-            remove_checkpoint(child)
-            deleted.append(step)
-    return sorted(deleted)
+    """Keep the `keep_last` newest complete checkpoints (the retention rule of the exchange)."""
+    return prune_checkpoints(checkpoints, keep_last)
 
 
 def require_complete(checkpoints: Path, step: int) -> Path:

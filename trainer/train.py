@@ -15,7 +15,9 @@ import time
 import traceback
 from pathlib import Path
 
+from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchReader
 from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.retention import release_rollouts, retain_weights, sweep_trainer_staging
 from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
 from rlctl.orchestrator.exchange.metrics import append_record
 from rlctl.orchestrator.exchange.steps import step_dir_name
@@ -67,6 +69,10 @@ class Trainer:
                 dropped = self.weight_store.discard_after(resume_step)
                 if dropped:
                     self.log(f"resumed at step {resume_step}: removed newer published weights {dropped}")
+        if self.rank == 0:  # no rank has written anything yet: leftovers are a killed trainer's
+            swept = sweep_trainer_staging(run)
+            if swept:
+                self.log(f"removed staging leftovers {swept}")
         self.log(
             f"trainer ready: world={self.world} {self.dims} device={self.device} model={self.model_dir} "
             f"start_step={self.start_step} max_steps={self.max_steps}"
@@ -78,14 +84,18 @@ class Trainer:
 
     # ---- weights -------------------------------------------------------------------------
     def publish(self, step: int) -> float:
-        """Collective: gather the full weights and publish them as `weights/step_N` (rank 0 writes)."""
+        """Collective: gather the full weights and publish them as `weights/step_N` (rank 0 writes, then
+        deletes the published steps retention lets go). Returns the seconds the publishing took."""
         from rlctl.trainer.weights import gather_full_state_dict
 
         t0 = time.perf_counter()
         state = gather_full_state_dict(self.model)
         if self.rank == 0:
             self.weight_store.publish(step, state, self.hf_config)
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        if self.rank == 0:
+            retain_weights(self.run, self.weight_store, self.recipe.weights.keep_last)
+        return elapsed
 
     # ---- one step ------------------------------------------------------------------------
     def _micro_batches(self, batch: dict):
@@ -194,6 +204,8 @@ class Trainer:
                 t_ckpt = time.perf_counter()
                 save_checkpoint(self.run.checkpoints, step + 1, self.model, self.optimizer, self.scheduler, self.rank, ckpt.keep_last)
                 self.log(f"checkpoint step_{step + 1} saved in {time.perf_counter() - t_ckpt:.3f}s")
+                if self.rank == 0:  # every rank is past batch `step` (the save is collective)
+                    release_rollouts(self.run, FilesystemBatchReader(self.run.rollouts), step + 1)
         self.log(f"finished: trained steps {self.start_step}..{self.max_steps - 1}")
         return 0
 
