@@ -6,6 +6,7 @@ from pydantic import field_validator
 from rlctl.inference.config import InferenceConfig, RouterConfig
 from rlctl.launchers.config import CheckpointConfig, ClusterConfig, DeploymentConfig, MonitoringConfig
 from rlctl.orchestrator.config import OrchestratorConfig
+from rlctl.orchestrator.exchange.config import WeightsConfig
 from rlctl.recipes.base import StrictModel
 from rlctl.trainer.config import TrainerConfig
 
@@ -47,6 +48,8 @@ class Recipe(StrictModel):
     """Rollout loop."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpointing."""
+    weights: WeightsConfig = WeightsConfig()
+    """Published policy weights."""
     monitoring: MonitoringConfig = MonitoringConfig()
     """Logging and metrics."""
 
