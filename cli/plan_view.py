@@ -8,6 +8,28 @@ def _fmt_s(x) -> str:
     return f"{x / 60:.2f} min" if x >= 120 else f"{x:.2f} s"
 
 
+def _fmt_bytes(n) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _disk_table(disk: dict):
+    from rich.table import Table
+
+    t = Table(title="disk (run directory)")
+    for col in ("", "each", "kept at peak", "peak"):
+        t.add_column(col)
+    each = {"weights": disk["weights_step_bytes"], "rollouts": disk["rollout_batch_bytes"],
+            "checkpoints": disk["checkpoint_bytes"]}
+    for kind, size in each.items():
+        t.add_row(kind, _fmt_bytes(size), str(disk["kept"][kind]), _fmt_bytes(disk["peak_bytes_by_kind"][kind]))
+    t.add_row("[bold]total[/bold]", "", "", f"[bold]{_fmt_bytes(disk['peak_bytes'])}[/bold]")
+    return t
+
+
 def render(j: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -45,6 +67,13 @@ def render(j: dict) -> None:
         row.append(_fmt_s(v) if k.endswith("time_s") else (f"{v:,.0f}" if isinstance(v, (int, float)) else "-"))
     t.add_row(*row)
     con.print(t)
+    disk = j.get("disk")
+    if disk:
+        con.print(_disk_table(disk))
+        con.print(f"written per step: {_fmt_bytes(disk['written_per_step_bytes'])}; "
+                  f"without retention the run would keep {_fmt_bytes(disk['unpruned_run_bytes'])}")
+        if disk["router_replay_bytes_per_batch"]:
+            con.print(f"router replay would add {_fmt_bytes(disk['router_replay_bytes_per_batch'])} per rollout batch")
     idle = ", ".join(f"{k} idle {v:.0%}" for k, v in orch["idle_fraction"].items() if v is not None)
     con.print(f"async step: [bold]{_fmt_s(orch['step_time_s'])}[/bold]  bottleneck: {j['bottleneck']}  {idle}")
     for w in j["warnings"]:

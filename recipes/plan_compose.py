@@ -9,6 +9,7 @@ from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.recipes import calibration as C
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.models import get_model_spec
+from rlctl.recipes.plan_disk import plan_disk
 from rlctl.recipes.plan_report import PlanReport, cpu_groups, cpu_placement, orchestrator_site
 from rlctl.trainer.plan import memory_breakdown, plan_trainer
 
@@ -259,7 +260,7 @@ def build_report(recipe, profile):
               {"name": "trainer", "nodes": placement.trainer_nodes, "ntasks_per_node": placement.trainer_ranks_per_node}]
     return PlanReport(recipe=recipe.name, profile=profile.name, model=spec.name, placement=placement, groups=groups,
                       trainer=trainer, inference=inference, orchestrator=orchestrator, bottleneck=bottleneck,
-                      fits=not errors, errors=errors, warnings=warnings)
+                      fits=not errors, errors=errors, warnings=warnings, disk=plan_disk(recipe, spec))
 
 
 def _finite(x: float):

@@ -51,12 +51,14 @@ class PlanReport:
     fits: bool
     errors: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    disk: dict = field(default_factory=dict)
+    """Run-directory disk: bytes per step and at the peak (see `rlctl.recipes.plan_disk`)."""
 
     def to_json(self) -> dict:
-        """Machine-readable plan; numbers are SI (seconds, tokens/s) except the *_gib memory fields."""
+        """Machine-readable plan; numbers are SI (seconds, tokens/s, bytes) except the *_gib memory fields."""
         return {
             "recipe": self.recipe, "profile": self.profile, "model": self.model, "fits": self.fits,
             "placement": self.placement.to_dict(), "groups": self.groups, "trainer": self.trainer,
             "inference": self.inference, "orchestrator": self.orchestrator, "bottleneck": self.bottleneck,
-            "errors": list(self.errors), "warnings": list(self.warnings),
+            "errors": list(self.errors), "warnings": list(self.warnings), "disk": self.disk,
         }

@@ -59,7 +59,8 @@ def test_json_keys():
     for path in ["fits", "placement.trainer_nodes", "placement.inference_nodes", "trainer.step_time_s",
                  "trainer.tokens_per_s", "trainer.memory_gib_per_gpu", "inference.decode_tokens_per_s",
                  "inference.rollout_step_time_s", "inference.max_concurrent_rollouts", "orchestrator.step_time_s",
-                 "bottleneck", "errors", "warnings"]:
+                 "bottleneck", "errors", "warnings", "disk.weights_step_bytes", "disk.rollout_batch_bytes",
+                 "disk.checkpoint_bytes", "disk.written_per_step_bytes", "disk.peak_bytes"]:
         node = j
         for part in path.split("."):
             node = node[part]
@@ -95,3 +96,57 @@ def test_compute_placement_cpu_and_gpu():
     assert (glm.trainer_ranks_per_node, glm.inference_servers_per_node, glm.orchestrator) == (8, 8, "inference_node")
     h100 = compute_placement(load_recipe(["recipes/qwen3-30b-a3b.toml"]))
     assert h100.orchestrator == "cpu_partition"
+
+
+def test_disk_per_step_and_peak_from_the_model_spec():
+    # Qwen3-30B-A3B by hand: 48 MoE layers of GQA attention (32 heads, 4 KV heads, head_dim 128, q/k
+    # norms) + 128 experts of 3·2048·768 + a 2048×128 router + 2 norms; untied embedding and LM head.
+    h, layers, vocab, d = 2048, 48, 151936, 128
+    attention = h * d * (32 + 2 * 4) + 32 * d * h + 2 * d
+    layer = attention + 128 * 3 * h * 768 + h * 128 + 2 * h
+    params = layers * layer + 2 * vocab * h + h
+    assert params == pytest.approx(30.5e9, rel=0.01)  # the published size
+    disk = plan(load_recipe(["recipes/qwen3-30b-a3b.toml"])).to_json()["disk"]
+    assert disk["weights_step_bytes"] == 4 * params  # fp32 master weights: ≈ 122 GB, as observed
+    assert disk["checkpoint_bytes"] == (4 + 8) * params  # + AdamW's two fp32 moments
+    seq, rollouts = 16384, 512  # inference.max_model_len, orchestrator.rollouts_per_step
+    assert disk["rollout_batch_bytes"] == rollouts * (seq * (8 + 1 + 1 + 4 + 4) + 4 + 4)
+    assert disk["router_replay_bytes_per_batch"] == rollouts * seq * layers * 8 * 2  # int16 [layers, top_k, T]
+    # max_off_policy_steps = 2, weights.keep_last = 2, checkpoint interval 50 / keep_last 2 (defaults)
+    assert disk["kept"] == {"weights": 3 + 1, "rollouts": 50 + 3, "checkpoints": 2 + 1}
+    assert disk["peak_bytes"] == 4 * 4 * params + 53 * disk["rollout_batch_bytes"] + 3 * 12 * params
+    assert disk["written_per_step_bytes"] == 4 * params + disk["rollout_batch_bytes"] + 12 * params // 50
+    assert disk["unpruned_run_bytes"] == 300 * (4 * params + disk["rollout_batch_bytes"]) + 6 * 12 * params
+
+
+def test_disk_follows_the_retention_keys():
+    base = ["weights.keep_last=5", "orchestrator.max_off_policy_steps=1", "checkpoint.interval=0",
+            "trainer.optimizer_dtype=\"bfloat16\""]
+    disk = plan(load_recipe(["recipes/qwen3-30b-a3b.toml"], base)).to_json()["disk"]
+    params = get_model_spec("qwen3-30b-a3b").total_params
+    assert (disk["weights_step_bytes"], disk["checkpoint_bytes"]) == (2 * params, (2 + 4) * params)
+    # no periodic checkpoints: trained batches go at once, only a preemption checkpoint is written
+    assert disk["kept"] == {"weights": 5 + 1, "rollouts": 1 + 2, "checkpoints": 1}
+    dense = plan(load_recipe(["recipes/qwen3-4b.toml"])).to_json()["disk"]
+    assert dense["router_replay_bytes_per_batch"] == 0
+
+
+def test_rollout_bytes_per_token_match_the_batch_contract():
+    from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
+    from rlctl.orchestrator.environments import Prompt
+    from rlctl.recipes.plan_disk import rollout_batch_bytes
+
+    rollouts = [Rollout(0, i, prompt_ids=[1, 2, 3], completion_ids=[4] * (i + 1), logprobs=[-0.5] * (i + 1),
+                        versions=[0] * (i + 1)) for i in range(4)]
+    group = Group(0, Prompt(text="p", target="t"), rollouts, advantages=[0.1, -0.1, 0.2, -0.2])
+    tensors = build_batch_tensors([group], step=0)
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) == rollout_batch_bytes(4, 3 + 4)
+
+
+def test_plan_table_shows_the_disk(capsys):
+    from rlctl.cli.plan_view import render
+
+    render(plan(load_recipe(["recipes/qwen3-30b-a3b.toml"])).to_json())
+    out = capsys.readouterr().out
+    assert "disk (run directory)" in out and "113.7 GiB" in out  # one weights step: 122 GB
+    assert "1.5 TiB" in out  # the peak

@@ -48,6 +48,15 @@ def _bytes_per_param(optimizer_dtype: str) -> tuple[float, float, float]:
     return (4.0, 4.0, 8.0) if optimizer_dtype == "float32" else (2.0, 2.0, 4.0)
 
 
+def state_bytes(spec, optimizer_dtype: str) -> tuple[int, int]:
+    """(one published weights step, one checkpoint) in bytes. Published weights are the full master
+    parameters under HF names (a tied LM head once); a checkpoint holds the same parameters plus the
+    two AdamW moments (gradients are not saved)."""
+    pb, _, ob = _bytes_per_param(optimizer_dtype)
+    n = spec.total_params
+    return int(n * pb), int(n * (pb + ob))
+
+
 def memory_breakdown(spec, *, shard: int, ep: int, cp: int, tp: int, seq_len: int, micro_batch: int,
                      activation_checkpointing: bool, optimizer_dtype: str) -> tuple[dict, float]:
     """Per-GPU memory in GiB and the activation GiB without checkpointing (for advice)."""
