@@ -166,18 +166,27 @@ def test_rollouts_go_once_a_complete_checkpoint_covers_them(run):
     for step in range(10):
         fake_batch(run, step)
     reader = FilesystemBatchReader(run.rollouts)
-    assert release_rollouts(run, reader, 4) == []  # no checkpoint yet
+    assert release_rollouts(run, reader, 4, checkpoint_interval=4) == []  # no checkpoint yet
     write_part(run.checkpoints, 4, TRAINER, {"state": b"4"})
     write_part(run.checkpoints, 8, TRAINER, {"state": b"8"})
     (run.checkpoints / "step_8" / ORCHESTRATOR).mkdir()  # a part without marker: step 8 is incomplete
-    assert release_rollouts(run, reader, 8) == [0, 1, 2, 3]
+    assert release_rollouts(run, reader, 8, checkpoint_interval=4) == [0, 1, 2, 3]
     shutil.rmtree(run.checkpoints / "step_8" / ORCHESTRATOR)
-    assert release_rollouts(run, reader, 6) == []  # 8 is complete but batches 6, 7 are not trained
-    assert release_rollouts(run, reader, 8) == [4, 5, 6, 7]
+    assert release_rollouts(run, reader, 6, checkpoint_interval=4) == []  # 8 is complete, 6 and 7 untrained
+    assert release_rollouts(run, reader, 8, checkpoint_interval=4) == [4, 5, 6, 7]
     assert complete_steps(run.rollouts) == [8, 9]
     # what a resume needs is still there: it rewinds to 8 and regenerates batches >= 8
     plan = rewind(run)
     assert plan.step == 8 and complete_steps(run.rollouts) == []
+
+
+def test_without_periodic_checkpoints_a_batch_goes_once_trained(run):
+    for step in range(4):
+        fake_batch(run, step)
+    reader = FilesystemBatchReader(run.rollouts)
+    assert release_rollouts(run, reader, 1, checkpoint_interval=0) == [0]
+    assert release_rollouts(run, reader, 3, checkpoint_interval=0) == [1, 2]
+    assert complete_steps(run.rollouts) == [3]
 
 
 def test_pruning_removes_every_marker_before_any_file(run, monkeypatch):

@@ -60,6 +60,7 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
         )
         self.weight_store = FilesystemWeightStore(run.weights)
+        self.batches = FilesystemBatchReader(run.rollouts)
         self.max_steps = recipe.orchestrator.max_steps
         self.start_step = 0
         if resume_step is not None:
@@ -204,8 +205,8 @@ class Trainer:
                 t_ckpt = time.perf_counter()
                 save_checkpoint(self.run.checkpoints, step + 1, self.model, self.optimizer, self.scheduler, self.rank, ckpt.keep_last)
                 self.log(f"checkpoint step_{step + 1} saved in {time.perf_counter() - t_ckpt:.3f}s")
-                if self.rank == 0:  # every rank is past batch `step` (the save is collective)
-                    release_rollouts(self.run, FilesystemBatchReader(self.run.rollouts), step + 1)
+            if self.rank == 0:  # batches no resume will read again (after a checkpoint, or at once without)
+                release_rollouts(self.run, self.batches, step + 1, ckpt.interval)
         self.log(f"finished: trained steps {self.start_step}..{self.max_steps - 1}")
         return 0
 

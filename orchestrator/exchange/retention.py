@@ -15,10 +15,12 @@ Weights (`weights/step_N`), deleted by the trainer (rank 0) right after each pub
   serve version >= N - max_off_policy_steps, so at most max(keep_last, max_off_policy_steps + 1)
   complete steps remain, plus the one being published.
 
-Rollouts (`rollouts/step_N`), deleted by the trainer after it saved checkpoint K (`release_rollouts`):
-  batches < K are trained and covered by a complete checkpoint. A resume rewinds to a complete
+Rollouts (`rollouts/step_N`), deleted by the trainer after each step (`release_rollouts`): once
+  checkpoint K is complete, batches < K are trained and covered by it. A resume rewinds to a complete
   checkpoint J (K or an older one) and the orchestrator regenerates batches >= J, so no batch < K is
-  read again. The newest complete checkpoint <= K decides, so an incomplete K frees nothing.
+  read again. The newest complete checkpoint <= the trained steps decides, so an incomplete one frees
+  nothing. Without periodic checkpoints (interval 0) a restart begins at step 0 (or at a preemption
+  checkpoint) and regenerates every batch, so each batch goes as soon as it is trained.
 
 Checkpoints (`checkpoints/step_N`), by the trainer after sealing one (`prune_checkpoints`): all but
   the `checkpoint.keep_last` newest complete ones; never the newest complete one nor anything newer.
@@ -87,9 +89,11 @@ def retain_weights(run: RunDir, store, keep_last: int) -> list[int]:
 # ---- rollouts and checkpoints ------------------------------------------------------------------
 
 
-def release_rollouts(run: RunDir, reader, trained: int) -> list[int]:
-    """After checkpoint `trained` (batches < `trained` are trained): delete the batches covered by the
-    newest complete checkpoint <= `trained`; returns them. `reader` is the run's BatchReader."""
+def release_rollouts(run: RunDir, reader, trained: int, checkpoint_interval: int) -> list[int]:
+    """Batches < `trained` are trained: delete those no resume will read; returns them. `reader` is
+    the run's BatchReader."""
+    if not checkpoint_interval:
+        return reader.release(trained)
     covered = [s for s in complete_checkpoints(run.checkpoints) if s <= trained]
     return reader.release(covered[-1]) if covered else []
 
