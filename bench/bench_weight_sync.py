@@ -46,6 +46,7 @@ def _start_server(run, model_name: str, log: Path) -> tuple[subprocess.Popen, di
     recipe = load_recipe(["tiny-cpu"], [f"model.name={json.dumps(model_name)}"])
     atomic_write_json(run.recipe_json, recipe.model_dump(mode="json"))
     run.admin_token(create=True)
+    run.api_key(create=True)
     env = {**os.environ, "RLCTL_RUN_DIR": str(run.root), "RLCTL_BIND_HOST": "127.0.0.1",
            "RLCTL_SERVER_INDEX": "0", "RLCTL_GROUP": "inference", "RLCTL_ATTEMPT": "1"}
     with open(log, "wb") as out:

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = validate(run.recipe_data())
         placement = _placement(run)
         target = inference_target(placement)
-        token = run.admin_token()
+        admin_token, api_key = run.admin_token(), run.api_key()
         model_dir = resolve_model_dir(recipe, run)
         check_model_for_target(model_dir, target)
         dp_master = None
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                     server_index=index, dp_master=dp_master)
     except (RecipeError, FileNotFoundError, RuntimeError, ValueError) as e:
         return _fail(str(e))
-    env = {**os.environ, **server_env(recipe, target, run.root, token)}
+    env = {**os.environ, **server_env(recipe, target, run.root, admin_token, api_key)}
     private_tmp = ipc_safe_tmpdir(env["TMPDIR"])  # a deep run dir would overflow socket paths
     if private_tmp:
         env["TMPDIR"] = private_tmp

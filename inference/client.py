@@ -1,8 +1,9 @@
 """Async HTTP client for the vLLM servers (and the router): completions with logprobs, admin routes.
 
-Every request carries `Authorization: Bearer <run admin token>`: the servers guard `/v1` and the
-admin routes with it (see `auth.py`). Weight reloads go to every server directly — the router would
-forward an unknown route to only one backend.
+Every request carries `Authorization: Bearer <key>` (see `auth.py`): a client of the router holds the
+run's api key, which opens `/v1` only; a client of one server's own URL holds the admin token, which
+also opens the admin routes. Weight reloads (pause, `/collective_rpc`, resume) therefore go to every
+server directly, never through the router — which would also forward an unknown route to one backend.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def prompt_logprobs_of(response: dict, choice: int = 0) -> list[float | None]:
 
 @dataclass
 class InferenceClient:
-    """One vLLM server (or the router, for completions only)."""
+    """One vLLM server with the admin token, or the router with the api key (completions only)."""
 
     url: str
     token: str
@@ -194,7 +195,7 @@ class InferenceClient:
 
 
 def announced_servers(run) -> list[InferenceClient]:
-    """Clients for every inference server announced in run dir `run` (a RunDir), by index."""
+    """Admin clients for the own URL of every inference server announced in run dir `run` (a RunDir)."""
     token = run.admin_token()
     return [InferenceClient(info["url"], token) for info in sorted(run.announced("inference"), key=lambda i: i["index"])]
 

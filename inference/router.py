@@ -1,12 +1,24 @@
 """Start and stop `vllm-router` in front of the inference servers (the orchestrator runs it as a child).
 
-Completions go through the router (with the recipe's policy); admin calls (pause/reload/resume) go
-to every server directly, because the router forwards unknown routes to a single backend.
+Completions go through the router (with the recipe's policy) carrying only the run's *api key*;
+admin calls (pause/reload/resume) go to every server's own URL with the admin token, never through
+the router (see `auth.py`).
+
+vllm-router's control routes (`/add_worker`, `/remove_worker`, `/workers`, ...) cannot be turned
+off, and its CLI has no way to guard them. Its Rust core can: with `api_key_validation_urls` every
+route (control, health and completions alike) needs a bearer that one of those URLs answers 200 to.
+So the router runs as `python -m rlctl.inference.router`, which starts that core with the servers'
+own `/v1/models` as validators: only the api key (or the admin token, never sent there) passes.
+It listens on the loopback only (its one client is the orchestrator on the same node), its Prometheus
+exporter too (on its own port: the default 29000 collides between runs), and the orchestrator still compares its worker list with the announced servers
+(`check_workers`), aborting the run on any difference.
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,32 +31,25 @@ from pathlib import Path
 from rlctl.inference.server import free_port
 from rlctl.inference.processes import die_with_parent
 
-
-def router_executable() -> str:
-    """The `vllm-router` next to this interpreter (venvs without activation), else the one on PATH."""
-    beside = Path(sys.executable).parent / "vllm-router"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("vllm-router")
-    if found is None:
-        raise FileNotFoundError("vllm-router is not installed (it comes with the `cpu`/`gpu` extra: vllm-router)")
-    return found
+ROUTER_HOST = "127.0.0.1"  # only the orchestrator, on this node, talks to the router
+KEY_CHECK_ROUTE = "/v1/models"  # cheap, and open to the api key on every server (auth.py)
 
 
-def render_router_command(worker_urls: list[str], policy: str, host: str, port: int, prometheus_port: int,
-                          executable: str | None = None) -> list[str]:
-    """argv of the router. Each router needs its own Prometheus port (the default 29000 collides)."""
+class RouterWorkersChanged(RuntimeError):
+    """The router's worker list differs from the servers this run announced (message: one line)."""
+
+
+def render_router_command(worker_urls: list[str], policy: str, port: int, prometheus_port: int,
+                          python: str | None = None) -> list[str]:
+    """argv of the router child. Holds no secret: the key is validated by asking the servers."""
     if not worker_urls:
         raise ValueError("the router needs at least one worker URL")
-    return [
-        executable or router_executable(),
-        "--host", host, "--port", str(port),
-        "--worker-urls", *worker_urls,
-        "--policy", policy,
-        "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
-        # Workers are already healthy when the router starts; don't sleep 30 s between checks.
-        "--worker-startup-check-interval", "1",
-    ]
+    cmd = [python or sys.executable, "-m", "rlctl.inference.router", "--port", str(port), "--prometheus-port", str(prometheus_port),
+           "--policy", policy,
+           "--worker-urls", *worker_urls]
+    for url in worker_urls:
+        cmd += ["--key-check-url", url.rstrip("/") + KEY_CHECK_ROUTE]
+    return cmd
 
 
 def stop_process_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> int | None:
@@ -66,14 +71,36 @@ def stop_process_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> int |
     return proc.wait()
 
 
-def _get(url: str, timeout: float = 2.0) -> int:
+def _get(url: str, api_key: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body) of a GET with the api key; status 0 when the router did not answer."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read()
     except urllib.error.HTTPError as e:
-        return e.code
+        return e.code, b""
     except (urllib.error.URLError, OSError):
-        return 0
+        return 0, b""
+
+
+def list_workers(router_url: str, api_key: str, timeout: float = 5.0) -> list[str]:
+    """The worker URLs the router currently routes to (`GET /list_workers`)."""
+    status, body = _get(f"{router_url}/list_workers", api_key, timeout)
+    if status != 200:
+        raise ConnectionError(f"{router_url}/list_workers answered {status or 'nothing'}")
+    return list(json.loads(body)["urls"])
+
+
+def check_workers(router_url: str, api_key: str, expected: list[str]) -> None:
+    """Raise RouterWorkersChanged unless the router routes to exactly the `expected` servers."""
+    listed = {u.rstrip("/") for u in list_workers(router_url, api_key)}
+    wanted = {u.rstrip("/") for u in expected}
+    if listed - wanted:
+        raise RouterWorkersChanged(f"the router lists a worker this run never announced: "
+                                   f"{', '.join(sorted(listed - wanted))}; aborting (was its control route used?)")
+    if wanted - listed:
+        raise RouterWorkersChanged(f"the router no longer lists the announced server(s) "
+                                   f"{', '.join(sorted(wanted - listed))}; aborting")
 
 
 @dataclass
@@ -91,11 +118,14 @@ class RouterProcess:
         return self.proc.poll() is None
 
 
-def start_router(worker_urls: list[str], policy: str, host: str, *, log_path: Path | None = None,
+def start_router(worker_urls: list[str], policy: str, *, api_key: str, log_path: Path | None = None,
                  timeout_s: float = 60.0) -> RouterProcess:
-    """Start the router on a free port of `host` and wait until it reports healthy workers."""
-    port, prom = free_port(host), free_port(host)
-    cmd = render_router_command(worker_urls, policy, host, port, prom)
+    """Start the router on a free loopback port, wait until it is healthy (asked with `api_key`, as
+    every route needs it) and check that it routes to exactly `worker_urls`."""
+    if importlib.util.find_spec("vllm_router_rs") is None:
+        raise FileNotFoundError("vllm-router is not installed (it comes with the `cpu`/`gpu` extra: vllm-router)")
+    port, prometheus_port = free_port(ROUTER_HOST), free_port(ROUTER_HOST)
+    cmd = render_router_command(worker_urls, policy, port, prometheus_port)
     out = open(log_path, "ab") if log_path is not None else None
     try:
         # Own session so stop() can take its group down; dies with us if we are killed before stop().
@@ -104,14 +134,44 @@ def start_router(worker_urls: list[str], policy: str, host: str, *, log_path: Pa
     finally:
         if out is not None:
             out.close()
-    router = RouterProcess(proc, f"http://{host}:{port}", cmd)
+    router = RouterProcess(proc, f"http://{ROUTER_HOST}:{port}", cmd)
+    where = f" (log: {log_path})" if log_path else ""
     deadline = time.monotonic() + timeout_s
-    while _get(f"{router.url}/health") != 200:
+    while _get(f"{router.url}/health", api_key)[0] != 200:
         if not router.alive():
-            raise RuntimeError(f"vllm-router exited with code {proc.returncode} before becoming ready"
-                               + (f" (log: {log_path})" if log_path else ""))
+            raise RuntimeError(f"vllm-router exited with code {proc.returncode} before becoming ready{where}")
         if time.monotonic() > deadline:
             router.stop()
-            raise RuntimeError(f"vllm-router not ready after {timeout_s:.0f} s" + (f" (log: {log_path})" if log_path else ""))
+            raise RuntimeError(f"vllm-router not ready after {timeout_s:.0f} s{where}")
         time.sleep(0.2)
+    try:
+        check_workers(router.url, api_key, worker_urls)
+    except (RouterWorkersChanged, ConnectionError):
+        router.stop()
+        raise
     return router
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run vllm-router's core in this process with every route behind the key check (blocks)."""
+    parser = argparse.ArgumentParser(prog="python -m rlctl.inference.router", description=main.__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--prometheus-port", type=int, required=True)
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--worker-urls", nargs="+", required=True)
+    parser.add_argument("--key-check-url", action="append", required=True,
+                        help="a request passes when one of these URLs answers 200 to its bearer (repeatable)")
+    args = parser.parse_args(argv)
+    from vllm_router.router import policy_from_str
+    from vllm_router_rs import Router
+
+    Router(worker_urls=args.worker_urls, policy=policy_from_str(args.policy), host=ROUTER_HOST, port=args.port,
+           api_key_validation_urls=args.key_check_url,
+           # Workers are already healthy when the router starts; don't sleep 30 s between checks.
+           worker_startup_check_interval=1,
+           prometheus_host=ROUTER_HOST, prometheus_port=args.prometheus_port).start()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

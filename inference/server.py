@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Literal
 
+from rlctl.inference.auth import ADMIN_TOKEN_ENV, API_KEY_ENV
 from rlctl.recipes.errors import RecipeError
 
 Target = Literal["cpu", "gpu"]
 SERVED_MODEL_NAME = "policy"  # requests use this name whatever the checkpoint is called
-TOKEN_ENV = "VLLM_API_KEY"  # vLLM reads it for /v1, our middleware for the admin routes
 WORKER_EXTENSION = "rlctl.inference.worker_ext.ReloadExtension"
 AUTH_MIDDLEWARE = "rlctl.inference.auth.AdminAuthMiddleware"
 _CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
@@ -153,7 +153,7 @@ def render_server_command(
     python: str = sys.executable,
     has_module: Callable[[str], bool] = _module_available,
 ) -> list[str]:
-    """The full argv of one vLLM server. Never contains the admin token (see `server_env`).
+    """The full argv of one vLLM server. Never contains the run's keys (see `server_env`).
 
     `dp_master` (host, rpc port) of the DP group's rank 0 is needed only for GPU expert parallelism
     with a DP group larger than one server.
@@ -199,11 +199,14 @@ def render_server_command(
     return cmd
 
 
-def server_env(recipe, target: Target, run_root: Path, token: str) -> dict[str, str]:
-    """Environment additions of a server process: token, caches inside the run dir, offline hub."""
+def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key: str) -> dict[str, str]:
+    """Environment additions of a server process: the two keys (see auth.py), caches inside the run
+    dir, offline hub."""
     cache = Path(run_root) / "cache"
     env = {
-        TOKEN_ENV: token,
+        ADMIN_TOKEN_ENV: admin_token,
+        API_KEY_ENV: api_key,
+        "VLLM_API_KEY": "",  # our middleware checks /v1; an inherited key must not switch vLLM's check on
         "VLLM_SERVER_DEV_MODE": "1",  # exposes /collective_rpc, which the in-place reload uses
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
@@ -233,7 +236,7 @@ def ipc_safe_tmpdir(preferred: str) -> str | None:
 
 
 def format_command(cmd: list[str]) -> str:
-    """Shell-quoted command line for logs and `--dry-run` (safe: argv never holds the token)."""
+    """Shell-quoted command line for logs and `--dry-run` (safe: argv never holds a key)."""
     return shlex.join(cmd)
 
 

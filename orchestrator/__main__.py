@@ -1,7 +1,9 @@
 """`python -m rlctl.orchestrator --run-dir DIR`: router + rollout loop + weight watcher for one run.
 
 1. Waits for `placement.inference_servers` inference announcements (fails with the servers' log tails
-   if one exits or they time out), starts vllm-router in front of them and announces it.
+   if one exits or they time out), starts vllm-router in front of them (loopback only, every route
+   behind the run's api key) and announces it. Every `RLCTL_WORKER_CHECK_S` seconds it compares the
+   router's worker list with the announced servers and aborts the run (one line, exit 1) on a change.
 2. Runs the rollout loop for `orchestrator.max_steps` batches while the weight watcher applies each
    newly published `weights/step_N` to every server in flight; one metrics line per batch.
 3. After the last batch it keeps serving weight updates until the trainer has published the final
@@ -32,6 +34,8 @@ from rlctl.recipes.load import validate
 
 WAIT_SERVERS_S = float(os.environ.get("RLCTL_WAIT_SERVERS_S", "900"))
 WAIT_FINAL_WEIGHTS_S = float(os.environ.get("RLCTL_WAIT_FINAL_WEIGHTS_S", "900"))
+WORKER_CHECK_S = float(os.environ.get("RLCTL_WORKER_CHECK_S", "2"))
+WORKER_CHECK_FAILURES = 5  # consecutive unanswered checks before the router counts as gone
 
 
 class OrchestratorError(RuntimeError):
@@ -86,7 +90,28 @@ def wait_for_servers(run: RunDir, count: int, attempt: int, timeout_s: float) ->
         time.sleep(0.5)
 
 
-async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[str], token: str) -> None:
+async def watch_router_workers(router_url: str, api_key: str, server_urls: list[str],
+                               interval_s: float = WORKER_CHECK_S) -> None:
+    """Poll the router's worker list forever (cancel to stop): any worker the run did not announce
+    (or an announced one gone) raises OrchestratorError, which ends the run."""
+    from rlctl.inference.router import RouterWorkersChanged, check_workers
+
+    failures = 0
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.to_thread(check_workers, router_url, api_key, server_urls)
+            failures = 0
+        except RouterWorkersChanged as exc:
+            raise OrchestratorError(str(exc)) from None
+        except ConnectionError as exc:
+            failures += 1
+            if failures >= WORKER_CHECK_FAILURES:
+                raise OrchestratorError(f"router worker check failed {failures} times in a row: {exc}") from None
+
+
+async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[str], admin_token: str,
+                      api_key: str) -> None:
     from rlctl.orchestrator.environments import load_environment
     from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
     from rlctl.orchestrator.exchange.retention import record_serving, sweep_orchestrator_staging
@@ -99,7 +124,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
     rng, base_counters = restore_progress(run, cfg.seed, env, start_step)
     end_step = cfg.max_steps
     policy = PolicyVersion(0)  # servers start from the initial weights (= weights/step_0)
-    reload, close = inference_reloader(server_urls, token)
+    reload, close = inference_reloader(server_urls, admin_token)  # the servers' own URLs, never the router
     watcher = WeightWatcher(run.weights, policy, reload, serving=lambda version: record_serving(run, version))
     reload_index = 0
 
@@ -123,25 +148,28 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
         prune_progress(run.checkpoints, newest_complete(run.checkpoints) or 0)
 
     watch_task = asyncio.create_task(watcher.run())
+    guard_task = asyncio.create_task(watch_router_workers(router_url, api_key, server_urls))
     try:
         if start_step < end_step:
             log(f"collecting batches {start_step}..{end_step - 1} via {router_url}")
             settings = LoopSettings.from_config(cfg, start_step=start_step)
             settings.max_steps = end_step - start_step
-            loop = RolloutLoop(settings, env, router_url, token, policy, run.rollouts,
+            loop = RolloutLoop(settings, env, router_url, api_key, policy, run.rollouts,
                                rng=rng, on_batch=on_batch, before_write=save_progress)
-            await _until_first(loop.run(), watch_task)
+            await _until_first(loop.run(), watch_task, guard_task)
         log(f"all {end_step} batches written; waiting for the trainer's final weights step_{end_step}")
         deadline = time.monotonic() + WAIT_FINAL_WEIGHTS_S
         while policy.version < end_step:
-            if watch_task.done():
-                watch_task.result()
+            for task in (watch_task, guard_task):
+                if task.done():
+                    task.result()
             if time.monotonic() > deadline:
                 raise OrchestratorError(f"trainer did not publish weights/step_{end_step} within {WAIT_FINAL_WEIGHTS_S:.0f} s")
             await asyncio.sleep(0.1)
     finally:
         watch_task.cancel()
-        await asyncio.gather(watch_task, return_exceptions=True)
+        guard_task.cancel()
+        await asyncio.gather(watch_task, guard_task, return_exceptions=True)
         await close()
 
 
@@ -176,15 +204,17 @@ def restore_progress(run: RunDir, seed: int, env, start_step: int) -> tuple[rand
     return rng, dict(state.get("counters") or {})
 
 
-async def _until_first(main, watch_task: asyncio.Task) -> None:
-    """Run `main`; if the watcher fails first (a reload error), cancel main and raise the watcher's error."""
+async def _until_first(main, *watchers: asyncio.Task) -> None:
+    """Run `main`; if a watcher ends first (a reload error, a changed worker list), cancel main and
+    raise the watcher's error."""
     main_task = asyncio.create_task(main)
-    done, _ = await asyncio.wait({main_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({main_task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     if main_task not in done:
         main_task.cancel()
         await asyncio.gather(main_task, return_exceptions=True)
-        watch_task.result()
-        raise OrchestratorError("weight watcher stopped unexpectedly")
+        for task in done:
+            task.result()
+        raise OrchestratorError("a watcher stopped unexpectedly")
     main_task.result()
 
 
@@ -201,18 +231,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import json
 
-        from rlctl.inference.router import start_router
+        from rlctl.inference.router import ROUTER_HOST, start_router
         from rlctl.orchestrator.exchange.placement import Placement
 
         recipe = validate(run.recipe_data())
         placement = Placement.from_dict(json.loads((run.configs / "placement.json").read_text()))
-        token = run.admin_token()
+        try:
+            admin_token, api_key = run.admin_token(), run.api_key()
+        except FileNotFoundError as exc:
+            raise OrchestratorError(str(exc)) from None
         urls = wait_for_servers(run, placement.inference_servers, attempt, WAIT_SERVERS_S)
-        host = os.environ.get("RLCTL_BIND_HOST", "127.0.0.1")
         log_path = run.log_path(attempt, "orchestrator", "router")
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        router = start_router(urls, recipe.router.policy, host, log_path=log_path)
-        run.announce("router", "0", {"url": router.url, "pid": router.proc.pid, "host": host})
+        try:
+            router = start_router(urls, recipe.router.policy, api_key=api_key, log_path=log_path)
+        except (RuntimeError, OSError) as exc:  # not installed, died at start, or a foreign worker already
+            raise OrchestratorError(str(exc)) from None
+        run.announce("router", "0", {"url": router.url, "pid": router.proc.pid, "host": ROUTER_HOST})
         log(f"router {router.url} ({recipe.router.policy}) in front of {len(urls)} server(s)")
         try:
             import uvloop
@@ -220,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.install()
         except ImportError:
             pass
-        asyncio.run(orchestrate(run, recipe, router.url, urls, token))
+        asyncio.run(orchestrate(run, recipe, router.url, urls, admin_token, api_key))
         atomic_write_json(run.done, {"time": time.time(), "by": "orchestrator",
                                               "steps": recipe.orchestrator.max_steps})
         log("DONE")

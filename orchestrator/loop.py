@@ -100,14 +100,15 @@ class StepStats:
 
 
 class RolloutLoop:
-    def __init__(self, settings: LoopSettings, env: Environment, url: str, token: str | None,
+    def __init__(self, settings: LoopSettings, env: Environment, url: str, api_key: str | None,
                  policy: PolicyVersion, rollouts_dir: Path, rng: random.Random | None = None,
                  on_batch: Callable[[int, list[Group], dict], None] | None = None,
                  before_write: Callable[[int, dict[str, Any]], None] | None = None):
         self.s = settings
         self.env = env
         self.url = url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # Only the api key travels through the router: it opens /v1 on the servers and nothing else.
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.policy = policy
         self.rollouts_dir = Path(rollouts_dir)
         self.rng = rng or random.Random(0)

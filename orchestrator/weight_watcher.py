@@ -23,11 +23,14 @@ from rlctl.orchestrator.loop import PolicyVersion
 Reloader = Callable[[Path], Awaitable[dict[str, Any]]]
 
 
-def inference_reloader(server_urls: list[str], token: str, pause_mode: str = "keep") -> tuple[Reloader, Callable]:
-    """A reload function over the inference servers' admin routes, and an async close for its clients."""
+def inference_reloader(server_urls: list[str], admin_token: str, pause_mode: str = "keep") -> tuple[Reloader, Callable]:
+    """A reload function over the inference servers' admin routes, and an async close for its clients.
+
+    `server_urls` are the servers' own URLs as they announced them: the admin token goes there and
+    never through the router (a worker slipped into the router would receive it)."""
     from rlctl.inference.client import InferenceClient, reload_all
 
-    clients = [InferenceClient(u, token) for u in server_urls]
+    clients = [InferenceClient(u, admin_token) for u in server_urls]
 
     async def reload(step_dir: Path) -> dict[str, Any]:
         return await reload_all(clients, str(step_dir), pause_mode)

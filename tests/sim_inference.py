@@ -1,7 +1,8 @@
 """A simulated inference server speaking vLLM's wire protocol, for orchestrator tests and benchmarks.
 
 It is a real HTTP server (aiohttp, own process): streamed `/v1/completions` with `n`, `logprobs`,
-`return_token_ids`, plus `/pause`, `/resume`, `/collective_rpc` (rlctl_reload) and `/health`. Prompts starting with
+`return_token_ids`, plus `/pause`, `/resume`, `/collective_rpc` (rlctl_reload), `/v1/models` and `/health`.
+With `--token` the admin routes need it; `/v1` takes it or `--api-key` (as the real servers, see auth.py). Prompts starting with
 `slow` stream 10x slower. Each generated token encodes the server's policy version at the moment it was generated (token id
 `TOKEN_BASE + version`, logprob `-(version + 1) / 10`), so tests can check the orchestrator's
 per-token version tags against the truth. Run: `python sim_inference.py --token-delay 0.01`; it
@@ -29,11 +30,12 @@ def token_for(version: int) -> int:
 
 class SimServer:
     def __init__(self, token_delay: float, token: str | None, request_overhead: float = 0.0,
-                 reload_delay: float = 0.0, max_concurrent: int = 0):
+                 reload_delay: float = 0.0, max_concurrent: int = 0, api_key: str | None = None):
         self.token_delay = token_delay
         self.request_overhead = request_overhead
         self.reload_delay = reload_delay
         self.token = token
+        self.api_key = api_key
         self.version = 0
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -44,13 +46,22 @@ class SimServer:
         # A capacity model for benchmarks: at most this many requests generate at once (0 = unlimited).
         self.slots = asyncio.Semaphore(max_concurrent) if max_concurrent else contextlib.nullcontext()
 
-    def _authorized(self, request) -> bool:
-        return self.token is None or request.headers.get("Authorization") == f"Bearer {self.token}"
+    def _authorized(self, request, openai_route: bool = False) -> bool:
+        given = request.headers.get("Authorization")
+        return (self.token is None or given == f"Bearer {self.token}"
+                or (openai_route and self.api_key is not None and given == f"Bearer {self.api_key}"))
+
+    async def models(self, request):
+        from aiohttp import web
+
+        if not self._authorized(request, openai_route=True):
+            return web.json_response({"error": "unauthorized"}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model"}]})
 
     async def completions(self, request):
         from aiohttp import web
 
-        if not self._authorized(request):
+        if not self._authorized(request, openai_route=True):
             return web.json_response({"error": "unauthorized"}, status=401)
         body = await request.json()
         n, max_tokens = int(body.get("n", 1)), int(body["max_tokens"])
@@ -126,11 +137,12 @@ class SimServer:
 async def _main(args) -> None:
     from aiohttp import web
 
-    sim = SimServer(args.token_delay, args.token, args.request_overhead, args.reload_delay, args.max_concurrent)
+    sim = SimServer(args.token_delay, args.token, args.request_overhead, args.reload_delay, args.max_concurrent,
+                    args.api_key)
     app = web.Application()
     app.add_routes([web.post("/v1/completions", sim.completions), web.post("/pause", sim.pause),
                     web.post("/resume", sim.resume), web.post("/collective_rpc", sim.rpc),
-                    web.get("/stats", sim.stats), web.get("/health", sim.health)])
+                    web.get("/stats", sim.stats), web.get("/health", sim.health), web.get("/v1/models", sim.models)])
     runner = web.AppRunner(app, handle_signals=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
@@ -142,13 +154,15 @@ async def _main(args) -> None:
 
 @contextlib.contextmanager
 def sim_server(token_delay: float = 0.01, token: str | None = None, request_overhead: float = 0.0,
-               reload_delay: float = 0.0, max_concurrent: int = 0):
+               reload_delay: float = 0.0, max_concurrent: int = 0, api_key: str | None = None):
     """Start the simulated server in its own process; yields its base URL; stops it afterwards."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--token-delay", str(token_delay),
            "--request-overhead", str(request_overhead), "--reload-delay", str(reload_delay),
            "--max-concurrent", str(max_concurrent)]
     if token:
         cmd += ["--token", token]
+    if api_key:
+        cmd += ["--api-key", api_key]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = proc.stdout.readline()
@@ -178,6 +192,7 @@ if __name__ == "__main__":
     parser.add_argument("--reload-delay", type=float, default=0.0)
     parser.add_argument("--max-concurrent", type=int, default=0)
     parser.add_argument("--token", default=None)
+    parser.add_argument("--api-key", default=None)
     try:
         import uvloop  # the real servers' event loop too; makes the simulator cheap enough for 10k streams
     except ImportError:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlctl.inference.__main__ import main
-from rlctl.inference.auth import AdminAuthMiddleware
+from rlctl.inference.auth import ADMIN_TOKEN_ENV, API_KEY_ENV, AdminAuthMiddleware
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import atomic_write_json
 from rlctl.recipes.load import load_recipe
@@ -37,7 +37,8 @@ def call(app, path: str, headers: dict[str, str] | None = None, method: str = "P
 
 @pytest.fixture
 def guarded(monkeypatch):
-    monkeypatch.setenv("VLLM_API_KEY", TOKEN)
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(API_KEY_ENV, "run-api-key-456")
     return AdminAuthMiddleware(_ok_app)
 
 
@@ -55,17 +56,20 @@ def test_health_probes_stay_open(guarded):
 
 
 def test_middleware_refuses_to_start_without_a_token(monkeypatch):
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    monkeypatch.setenv(API_KEY_ENV, "run-api-key-456")
+    with pytest.raises(RuntimeError, match=ADMIN_TOKEN_ENV):
         AdminAuthMiddleware(_ok_app)
 
 
-def make_run(tmp_path, *overrides: str, token: bool = True) -> RunDir:
+def make_run(tmp_path, *overrides: str, token: bool = True, api_key: bool = True) -> RunDir:
     run = RunDir(tmp_path / "run")
     run.create()
     atomic_write_json(run.recipe_json, load_recipe(["tiny-cpu"], list(overrides)).model_dump(mode="json"))
     if token:
         run.admin_token(create=True)
+    if api_key:
+        run.api_key(create=True)
     return run
 
 
@@ -81,6 +85,14 @@ def test_missing_admin_token_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RLCTL_BIND_HOST", "127.0.0.1")
     assert main(["--run-dir", str(run.root)]) == 1
     assert "no admin token" in capsys.readouterr().err
+
+
+def test_missing_api_key_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    run = make_run(tmp_path, api_key=False)
+    monkeypatch.setenv("RLCTL_BIND_HOST", "127.0.0.1")
+    assert main(["--run-dir", str(run.root)]) == 1
+    err = capsys.readouterr().err
+    assert "no api key" in err and "Traceback" not in err
 
 
 def test_gpu_only_feature_on_a_cpu_run_fails_before_starting_vllm(tmp_path, monkeypatch, capsys):

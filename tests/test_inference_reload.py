@@ -45,6 +45,7 @@ def make_run(root: Path, *overrides: str) -> RunDir:
     recipe = load_recipe(["tiny-cpu"], ["trainer.dtype=float32", *overrides])
     atomic_write_json(run.recipe_json, recipe.model_dump(mode="json"))
     run.admin_token(create=True)
+    run.api_key(create=True)
     return run
 
 
@@ -130,6 +131,9 @@ def test_admin_and_api_routes_refuse_missing_or_wrong_token(server, method, rout
     assert httpx.get(info["url"] + "/health", timeout=30).status_code == 200
     ok = httpx.get(info["url"] + "/is_paused", headers={"Authorization": f"Bearer {token}"}, timeout=30)
     assert ok.status_code == 200 and ok.json() == {"is_paused": False}
+    # The api key (the one sent through the router) opens /v1 and nothing else.
+    api = httpx.request(method, url, headers={"Authorization": f"Bearer {run.api_key()}"}, timeout=30)
+    assert api.status_code == (200 if route.startswith("/v1/") else 401)
 
 
 def preemptions(url: str) -> float:
@@ -201,11 +205,11 @@ def test_reload_refuses_a_step_without_marker(server, tmp_path):
 def test_completions_through_router(server, tmp_path):
     run, info, token, proc = server
     started = time.monotonic()
-    router = start_router([info["url"]], "round_robin", HOST, log_path=tmp_path / "router.log")
+    router = start_router([info["url"]], "round_robin", api_key=run.api_key(), log_path=tmp_path / "router.log")
     print(f"\n[measure] router ready in {time.monotonic() - started:.2f} s")
     try:
         async def go():
-            async with InferenceClient(router.url, token) as via, InferenceClient(router.url, "wrong") as bad:
+            async with InferenceClient(router.url, run.api_key()) as via, InferenceClient(router.url, "wrong") as bad:
                 resp = await via.complete("abc", max_tokens=6, n=4, temperature=1.0, cache_salt=policy_cache_salt(1),
                                           extra={"ignore_eos": True})
                 with pytest.raises(InferenceError, match="401"):
@@ -229,9 +233,11 @@ def test_completions_through_router(server, tmp_path):
 def test_router_dies_with_the_process_that_started_it(server, tmp_path):
     """The router runs in its own session, so a killpg of its parent's group misses it: a SIGKILLed
     orchestrator (a fault, a teardown that escalates) must not leave it behind holding its ports."""
-    _, info, _, _ = server
+    run, info, _, _ = server
     start = (f"import time; from pathlib import Path; from rlctl.inference.router import start_router; "
-             f"r = start_router([{info['url']!r}], 'round_robin', {HOST!r}, log_path=Path({str(tmp_path / 'r.log')!r})); "
+             f"from rlctl.orchestrator.exchange.layout import RunDir; "
+             f"r = start_router([{info['url']!r}], 'round_robin', api_key=RunDir({str(run.root)!r}).api_key(), "
+             f"log_path=Path({str(tmp_path / 'r.log')!r})); "
              f"print(r.proc.pid, flush=True); time.sleep(300)")
     parent = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, text=True)
     router_pid = None
@@ -261,4 +267,4 @@ def test_server_that_dies_at_start_reports_its_log_tail(tmp_path):
     text = (tmp_path / "log").read_text()
     assert "exited with code" in text and "last" in text and "lines of the server log" in text
     assert "no-such-architecture" in text.split("lines of the server log")[-1]
-    assert run.admin_token() not in text
+    assert run.admin_token() not in text and run.api_key() not in text

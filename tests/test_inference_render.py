@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from rlctl.inference.auth import ADMIN_TOKEN_ENV, API_KEY_ENV
 from rlctl.inference.router import render_router_command
 from rlctl.inference.server import (
-    TOKEN_ENV,
     check_model_for_target,
     format_command,
     render_server_command,
@@ -126,13 +126,13 @@ def test_kv_offload_tiers():
 def test_token_travels_in_env_never_on_the_command_line(tmp_path):
     r = recipe()
     cmd = render(r, CPU, "cpu")
-    env = server_env(r, "cpu", tmp_path, TOKEN)
-    assert env[TOKEN_ENV] == TOKEN
+    env = server_env(r, "cpu", tmp_path, TOKEN, "api-key")
+    assert env[ADMIN_TOKEN_ENV] == TOKEN and env[API_KEY_ENV] == "api-key" and env["VLLM_API_KEY"] == ""
     assert not any(TOKEN in part for part in cmd) and TOKEN not in format_command(cmd)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and env["TMPDIR"].startswith(str(tmp_path))
-    assert "VLLM_CPU_KVCACHE_SPACE" not in server_env(r, "gpu", tmp_path, TOKEN)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in server_env(r, "gpu", tmp_path, TOKEN, "api-key")
 
 
 def test_cpu_rejects_head_dims_its_attention_kernels_lack(tmp_path):
@@ -144,13 +144,14 @@ def test_cpu_rejects_head_dims_its_attention_kernels_lack(tmp_path):
     check_model_for_target(tmp_path, "cpu")
 
 
-def test_router_command_has_workers_policy_and_own_prometheus_port():
-    cmd = render_router_command(["http://a:1", "http://b:2"], "round_robin", "10.0.0.5", 9000, 9001,
-                                executable="vllm-router")
-    assert cmd[0] == "vllm-router"
+def test_router_command_has_workers_policy_key_checks_and_own_prometheus_port():
+    cmd = render_router_command(["http://a:1", "http://b:2"], "round_robin", 9000, 9001, python="python")
+    assert cmd[:3] == ["python", "-m", "rlctl.inference.router"]
     assert cmd[cmd.index("--worker-urls") + 1: cmd.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
+    assert [cmd[i + 1] for i, part in enumerate(cmd) if part == "--key-check-url"] == [
+        "http://a:1/v1/models", "http://b:2/v1/models"]
     assert flag(cmd, "--policy") == "round_robin"
-    assert flag(cmd, "--prometheus-port") == "9001" and flag(cmd, "--host") == "10.0.0.5"
+    assert flag(cmd, "--prometheus-port") == "9001" and flag(cmd, "--port") == "9000"
 
 
 def test_dtype_auto_follows_the_trainer():

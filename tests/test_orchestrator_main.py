@@ -49,10 +49,10 @@ def test_orchestrator_runs_to_done_through_the_real_router(tmp_path):
     (run.configs / "recipe.json").write_text(json.dumps(recipe.model_dump(mode="json")))
     placement = Placement(1, 1, 2, 1, 0, "inference_node")
     (run.configs / "placement.json").write_text(json.dumps(placement.to_dict()))
-    token = run.admin_token(create=True)
+    token, api_key = run.admin_token(create=True), run.api_key(create=True)
     (run.weights / "step_0").mkdir(parents=True)
     (run.weights / "step_0" / MARKER).write_text("{}")
-    with sim_server(token_delay=0.01, token=token) as url:
+    with sim_server(token_delay=0.01, token=token, api_key=api_key) as url:
         run.announce("inference", "0", {"url": url, "index": 0, "pid": 0, "host": "127.0.0.1"})
         stop = threading.Event()
         trainer = threading.Thread(target=simulated_trainer, args=(run, steps, stop), daemon=True)
