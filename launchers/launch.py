@@ -174,6 +174,7 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
     previous = run.read_manifest() if attempt else None
     run.create()
     run.admin_token(create=True)
+    run.api_key(create=True)  # the only key sent through the router (opens /v1 on the servers)
     _write_configs(run, recipe, placement, groups)
     _link_latest_logs(run, attempt)
     run_name = run.root.name
