@@ -39,6 +39,8 @@ def test_tiny_recipe_learns_locally_and_leaves_nothing_behind(tmp_path):
     assert mon["state"] == "completed", mon
     assert mon["reward_mean"] == pytest.approx(rewards[-1]) and mon["steps_done"] == max_steps
     assert (run / "DONE").exists()
+    # retention: weights.keep_last (2) steps + 1 a server may load; batches covered by checkpoint step_80 gone
+    assert len(list((run / "weights").glob("step_*"))) <= 3 and not list((run / "rollouts").glob("step_*"))
     assert leftover_processes(run) == []
     print(f"tiny-cpu local: {took:.0f}s wall, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}, "
           f"first step >= 0.8: {next(i for i, r in enumerate(rewards) if r >= 0.8)}")
