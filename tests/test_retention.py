@@ -94,8 +94,8 @@ def test_a_loading_server_never_loses_its_step_and_the_disk_stays_bounded(run, k
                     time.sleep(rng.random() * 0.004)  # a slow load, files open
                     f.read()
                 assert (store.location(newest) / MARKER).exists()
+                record_serving(run, newest)  # recorded before the policy moves on, as the real watcher does
                 served[0] = newest
-                record_serving(run, newest)
             except (OSError, AssertionError) as exc:
                 failures.append(f"step_{newest}: {exc!r}")
                 return
