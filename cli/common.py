@@ -18,15 +18,16 @@ def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
 
 
 def user_errors(fn: Callable) -> Callable:
-    """Turn RecipeError (and other expected input errors) into one line + exit 2, never a traceback."""
+    """Turn RecipeError (bad input, exit 2) and RunLocked (exit 1) into one line, never a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from rlctl.orchestrator.exchange.lock import RunLocked
         from rlctl.recipes.errors import RecipeError
 
         try:
             return fn(*args, **kwargs)
-        except RecipeError as e:
+        except (RecipeError, RunLocked) as e:  # RunLocked: another command acts on the run (exit 1)
             fail(str(e), e.exit_code)
         except KeyboardInterrupt:
             typer.echo("rlctl: interrupted", err=True)

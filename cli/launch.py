@@ -132,14 +132,26 @@ def launch_cmd(
     name: Optional[str] = typer.Option(None, "--name", help="Run name (default: <recipe name>-<timestamp>)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the run dir, configs and the sbatch script; submit nothing."),
     wait: bool = typer.Option(False, "--wait", help="Follow the job until it ends; exit non-zero if it failed."),
-    resume: bool = typer.Option(False, "--resume", help="Allow launching a new attempt into an existing run (with --name)."),
+    resume: bool = typer.Option(False, "--resume", help="With --name of an existing run: its next attempt, exactly as `rlctl resume` (refused while it runs)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Submit a recipe: one heterogeneous Slurm job (or local processes with --cluster local)."""
     started = time.monotonic()
-    from rlctl.launchers.launch import launch
+    from rlctl.launchers.launch import RunExists, launch
+    from rlctl.recipes.errors import RecipeError
 
-    result = launch(recipes, override, cluster=cluster, name=name, dry_run=dry_run, resume=resume)
+    if resume and not name:
+        raise RecipeError("--resume needs the run name (--name) of the run to continue", key="--resume")
+    try:
+        result = launch(recipes, override, cluster=cluster, name=name, dry_run=dry_run)
+    except RunExists as existing:
+        if not resume:
+            raise
+        from rlctl.launchers.resume import resume as resume_run
+
+        result, plan = resume_run(existing.run, refs=recipes, overrides=override, cluster=cluster, dry_run=dry_run,
+                                  command=f"rlctl launch --name {name} --resume")
+        result.extra["rewind"] = plan
     states: dict = {}
     if result.job_id:
         from rlctl.launchers.hetjob import component_states
@@ -151,12 +163,16 @@ def launch_cmd(
                 break
             time.sleep(0.2)
     rows = _group_rows(result, states)
+    rewind = result.extra.get("rewind")  # --resume of an existing run
     if as_json:
         print_json({"run_dir": str(result.run.root), "name": result.name, "scheduler": result.scheduler,
                     "job_id": result.job_id, "attempt": result.attempt, "dry_run": result.dry_run,
                     "script": str(result.script) if result.script else None,
-                    "supervisor_pid": result.supervisor_pid, "groups": rows})
+                    "supervisor_pid": result.supervisor_pid, "groups": rows,
+                    **({"rewind": rewind.to_dict()} if rewind else {})})
     else:
+        if rewind and not dry_run:
+            typer.echo(rewind.describe())
         _print_summary(result, rows)
     sys.stdout.flush()  # the summary must reach a pipe before --wait blocks
     if wait and not dry_run:
@@ -182,9 +198,10 @@ def cancel_cmd(run: str = typer.Argument(..., help="Run directory or run name.")
                timeout: float = typer.Option(60.0, help="Seconds to wait until everything has stopped.")) -> None:
     """Stop a run: scancel its het job, or stop the local supervisor and all its processes."""
     from rlctl.launchers.control import cancel_run
-    from rlctl.launchers.launch import resolve_run
+    from rlctl.launchers.status import resolve_run
+    from rlctl.orchestrator.exchange.layout import RunDir
 
-    msg = cancel_run(resolve_run(run), timeout)
+    msg = cancel_run(RunDir(resolve_run(run)), timeout)
     typer.echo(msg)
 
 
@@ -194,9 +211,10 @@ def logs_cmd(run: str = typer.Argument(..., help="Run directory or run name."),
              attempt: Optional[int] = typer.Option(None, help="Attempt number (default: latest).")) -> None:
     """Print the logs of a run (per component), optionally following them."""
     from rlctl.launchers.control import follow_logs, log_files, run_active
-    from rlctl.launchers.launch import resolve_run
+    from rlctl.launchers.status import resolve_run
+    from rlctl.orchestrator.exchange.layout import RunDir
 
-    rd = resolve_run(run)
+    rd = RunDir(resolve_run(run))
     files = log_files(rd, group, attempt)
     if not files:
         fail(f"no logs yet for {group or 'any group'} in {rd.root}/logs")

@@ -21,15 +21,16 @@ def resume_cmd(
     from pathlib import Path
 
     from rlctl.cli.launch import follow_run
-    from rlctl.launchers.launch import resolve_run
     from rlctl.launchers.resume import resume
+    from rlctl.launchers.status import resolve_run
+    from rlctl.orchestrator.exchange.layout import RunDir
     from rlctl.recipes.errors import RecipeError
 
     if step is not None and source is not None:
         raise RecipeError("--step and --from exclude each other (--from names its step)", key="--step")
     if step is not None and step < 0:
         raise RecipeError(f"--step must be >= 0 (got {step})", key="--step")
-    rd = resolve_run(run)
+    rd = RunDir(resolve_run(run))
     result, plan = resume(rd, step, Path(source) if source else None)
     if as_json:
         print_json({"run_dir": str(result.run.root), "attempt": result.attempt, "scheduler": result.scheduler,

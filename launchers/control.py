@@ -48,6 +48,15 @@ def run_active(run: RunDir) -> bool:
 
 
 def cancel_run(run: RunDir, timeout: float = 60.0) -> str:
+    """Under the run's lock: a resume or launch in progress makes this fail naming it (RunLocked),
+    instead of finding nothing running while that attempt starts."""
+    from rlctl.launchers.launch import run_lock
+
+    with run_lock(run, f"rlctl cancel {run.root.name}"):
+        return _cancel(run, timeout)
+
+
+def _cancel(run: RunDir, timeout: float) -> str:
     info = run.read_manifest()
     if info.get("scheduler") == "slurm":
         job = info.get("job_id")

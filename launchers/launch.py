@@ -10,10 +10,11 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from rlctl.launchers.groups import JobGroup, build_groups
 from rlctl.orchestrator.exchange.layout import RunDir
-from rlctl.orchestrator.exchange.files import atomic_write_bytes, atomic_write_json
+from rlctl.orchestrator.exchange.files import DIR_MODE, atomic_write_bytes, atomic_write_json, private_dir
 from rlctl.recipes.errors import RecipeError
 
 
@@ -32,7 +33,54 @@ class LaunchResult:
 
 
 def output_root(recipe, profile) -> Path:
-    return Path(recipe.deployment.output_dir or profile.shared_fs or "runs").expanduser().absolute()
+    """`deployment.output_dir`, else $RLCTL_OUTPUT_DIR, else the profile's shared filesystem, else ./runs
+    (`status.default_root` looks run names up in the same order)."""
+    root = recipe.deployment.output_dir or os.environ.get("RLCTL_OUTPUT_DIR") or profile.shared_fs or "runs"
+    return Path(root).expanduser().absolute()
+
+
+def check_run_name(name: str) -> str:
+    """A run name the user chose (`--name`): the schema's RunName alphabet, one line otherwise."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from rlctl.recipes.base import RUN_NAME_ALLOWED, RunName
+
+    try:
+        return TypeAdapter(RunName).validate_python(name)
+    except ValidationError:
+        raise RecipeError(f"invalid run name {name!r}: use {RUN_NAME_ALLOWED}", key="--name") from None
+
+
+def claim_run_dir(root: Path, prefix: str, name: str | None) -> RunDir | None:
+    """Create the run directory exclusively, so two launches never share one. An automatic name that
+    is taken (same recipe, same second) gets the next free suffix; a chosen `name` that exists → None."""
+    private_dir(root)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidates = [name] if name else [f"{prefix}-{stamp}"] + [f"{prefix}-{stamp}-{n}" for n in range(2, 1000)]
+    for candidate in candidates:
+        path = root / candidate
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            continue
+        os.chmod(path, DIR_MODE)  # mkdir's mode is filtered by the umask
+        return RunDir(path)
+    if name:
+        return None
+    raise RecipeError(f"no free run directory name {prefix}-{stamp}-N under {root}")
+
+
+def run_lock(run: RunDir, command: str, wait_s: float = 0.0):
+    """The run's lock (see exchange/lock.py); a lock of another host is broken only when old and the
+    run is not pending or running (an unknown state counts as active)."""
+    from rlctl.orchestrator.exchange.lock import RunLock
+
+    def active() -> bool:
+        from rlctl.launchers.status import ENDED, run_state
+
+        return run_state(run.root).state not in ENDED
+
+    return RunLock(run.lock, command, active=active, wait_s=wait_s)
 
 
 def _drop_none(obj):
@@ -67,7 +115,7 @@ def _version() -> str:
 
 def load_for_launch(refs, overrides=(), cluster: str | None = None):
     """Resolved recipe, its cluster profile, placement and job groups (raises RecipeError on bad input)."""
-    from rlctl.launchers.cluster import load_profile
+    from rlctl.recipes.clusters import load_profile
     from rlctl.recipes.load import compose, validate
     from rlctl.recipes.plan import compute_placement
 
@@ -81,29 +129,6 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
         raise RecipeError("orchestrator_placement is 'cpu_partition' but the profile has no cpu partition",
                           key="deployment.orchestrator_placement")
     return recipe, profile, placement, build_groups(recipe, profile, placement)
-
-
-def _pick_run_dir(root: Path, recipe_name: str, name: str | None, resume: bool) -> tuple[Path, int]:
-    """(run dir, attempt). An explicit existing name needs resume intent; auto names never collide."""
-    if name:
-        if "/" in name or name.startswith("."):
-            raise RecipeError(f"invalid run name {name!r}: no '/' and no leading '.'", key="--name")
-        path = root / name
-        if (path / "run.json").exists():
-            if not resume:
-                raise RecipeError(f"run directory {path} already exists (pass --resume to start a new attempt in it)")
-            return path, int(RunDir(path).read_manifest().get("attempt", 0)) + 1
-        if path.exists() and any(path.iterdir()):
-            raise RecipeError(f"{path} exists and is not a run directory")
-        return path, 0
-    if resume:
-        raise RecipeError("--resume needs the run name (--name) of the run to continue")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = root / f"{recipe_name}-{stamp}", 1
-    while path.exists():
-        n += 1
-        path = root / f"{recipe_name}-{stamp}-{n}"
-    return path, 0
 
 
 def _write_configs(run: RunDir, recipe, placement, groups: list[JobGroup]) -> None:
@@ -156,75 +181,143 @@ def _het_script_options(run: RunDir, name: str, attempt: int, recipe, extra_env:
             "requeue": {"max_restarts": dep.max_restarts, "signal_s": dep.preempt_signal_s}}
 
 
+class RunExists(RecipeError):
+    """`--name` names an existing run (`rlctl launch --resume` continues it through `rlctl resume`)."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        super().__init__(f"run directory {run.root} already exists (pass --resume to start a new attempt in it)",
+                         key="--name")
+
+
 def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None = None,
-           dry_run: bool = False, resume: bool = False, run_dir: Path | None = None,
-           extra_env: dict | None = None) -> LaunchResult:
-    """`run_dir` continues that existing run (next attempt, used by `rlctl resume`); `extra_env` is
-    added to every task's environment (e.g. RLCTL_RESUME_STEP)."""
-    recipe, profile, placement, groups = load_for_launch(refs, overrides, cluster)
+           dry_run: bool = False) -> LaunchResult:
+    """A new run in a directory of its own (created exclusively, under its lock while it starts).
+    Raises RunExists when `name` is an existing run."""
+    if name is not None:
+        check_run_name(name)
+    loaded = load_for_launch(refs, overrides, cluster)
+    recipe, profile = loaded[0], loaded[1]
+    check_submitter(profile, dry_run)
+    root = output_root(recipe, profile)
+    run = claim_run_dir(root, recipe.name, name)
+    if run is None:
+        existing = RunDir(root / name)
+        if not existing.manifest.is_file():
+            raise RecipeError(f"{existing.root} exists but holds no run.json "
+                              "(another launch is creating it, or it is not a run directory)", key="--name")
+        raise RunExists(existing)
+    with run_lock(run, f"rlctl launch --name {run.root.name}"):
+        return start_attempt(run, loaded, refs, 0, dry_run=dry_run)
+
+
+def check_submitter(profile, dry_run: bool) -> None:
     if profile.scheduler == "slurm" and not dry_run and shutil.which("sbatch") is None:
         raise RecipeError(f"profile {profile.name!r} submits to Slurm but sbatch is not on PATH "
                           "(use --cluster local to run on this machine)", key="cluster.profile")
-    if run_dir is not None:
-        root_dir = Path(run_dir)
-        attempt = int(RunDir(root_dir).read_manifest().get("attempt", 0)) + 1
-    else:
-        root_dir, attempt = _pick_run_dir(output_root(recipe, profile), recipe.name, name, resume)
-    run = RunDir(root_dir)
-    previous = run.read_manifest() if attempt else None
+
+
+def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = False,
+                  extra_env: dict | None = None, prepare: Callable[[], None] | None = None,
+                  previous: dict | None = None, history: dict | None = None) -> LaunchResult:
+    """Start attempt `attempt` of `run` (the caller holds its lock). `prepare` (a resume's rewind) runs
+    only once the attempt is sure to start: on Slurm after a held submission, which is released after
+    it; locally right before the supervisor is spawned. A refused submission changes nothing of an
+    earlier attempt. `extra_env` reaches every task; `history` goes into this attempt's record."""
+    recipe, profile, placement, groups = loaded
     run.create()
     run.admin_token(create=True)
     run.api_key(create=True)  # the only key sent through the router (opens /v1 on the servers)
-    _write_configs(run, recipe, placement, groups)
-    _link_latest_logs(run, attempt)
-    run_name = run.root.name
-    result = LaunchResult(run, run_name, profile.scheduler, attempt, groups, dry_run=dry_run)
-    info = manifest(run, run_name, profile.scheduler, attempt, recipe, placement, groups, refs, previous=previous)
-    if profile.scheduler == "slurm":
-        script = run.root / "sbatch" / f"attempt_{attempt}.sh"
-        folder = run.root / "submitit" / f"attempt_{attempt}"
-        options = _het_script_options(run, run_name, attempt, recipe, extra_env)
-        if dry_run:  # rendered without the executor: it would create the submitit folder
+    private_dir(run.attempt_logs(attempt))
+    name = run.root.name
+    result = LaunchResult(run, name, profile.scheduler, attempt, groups, dry_run=dry_run)
+    info = manifest(run, name, profile.scheduler, attempt, recipe, placement, groups, refs, previous=previous)
+
+    def commit(rewind: bool = True) -> None:  # from here on the run is the new attempt's
+        if rewind and prepare is not None:
+            prepare()
+        _write_configs(run, recipe, placement, groups)
+        _link_latest_logs(run, attempt)
+        for stale in (run.services, run.heartbeats): shutil.rmtree(stale, ignore_errors=True)  # per attempt  # noqa: E701
+
+    if dry_run:
+        commit(rewind=False)
+        if profile.scheduler == "slurm":  # rendered without the executor: it would create the submitit folder
             from rlctl.launchers.hetjob import render_het_script, shlex_python
 
-            atomic_write_bytes(script, render_het_script(groups, folder, shlex_python(), **options).encode())
-            result.script = script
-            atomic_write_json(run.manifest, info)
-            return result
-        _maybe_build_model(run, recipe)
-        from rlctl.launchers.env import ComponentTask
-        from rlctl.launchers.hetjob import HetSlurmExecutor
-
-        executor = HetSlurmExecutor(folder, groups, **options)
-        atomic_write_bytes(script, executor.script_text().encode())
-        from submitit.core.utils import FailedJobError
-
-        import contextlib
-        import io
-
-        try:  # submitit echoes sbatch's stderr on failure; the error below says it in one line
-            with contextlib.redirect_stderr(io.StringIO()):
-                job = executor.submit_groups({g.name: ComponentTask(g, str(run.root), attempt) for g in groups})
-        except FailedJobError as e:
-            lines = [ln for ln in str(e).splitlines() if ln.strip()]
-            info["submit_error"] = "\n".join(lines)
-            atomic_write_json(run.manifest, info)
-            first = lines[0].removeprefix("sbatch: error: ") if lines else str(e)
-            raise RecipeError(f"sbatch refused the job: {first} (script: {script})") from None
-        result.job_id, result.script = job.job_id, script
-        info["job_id"] = job.job_id
+            result.script = run.sbatch_script(attempt)
+            folder = run.root / "submitit" / f"attempt_{attempt}"
+            atomic_write_bytes(result.script, render_het_script(
+                groups, folder, shlex_python(), **_het_script_options(run, name, attempt, recipe, extra_env)).encode())
+        atomic_write_json(run.manifest, info)
+        return result
+    _maybe_build_model(run, recipe)
+    held = profile.scheduler == "slurm" and prepare is not None
+    if profile.scheduler == "slurm":
+        if not held:
+            commit()
+        result.job_id, result.script = _submit(run, attempt, recipe, groups, extra_env, held, info, previous)
+        info["job_id"] = result.job_id
+        if held:
+            try:
+                commit()
+            except BaseException:
+                _slurm(["scancel", result.job_id])
+                raise
     else:
-        if dry_run:
-            atomic_write_json(run.manifest, info)
-            return result
-        _maybe_build_model(run, recipe)
+        commit()
         from rlctl.launchers.local import start_supervisor
 
         result.supervisor_pid = start_supervisor(run, attempt, extra_env)
         info["supervisor_pid"] = result.supervisor_pid
-    info["attempts"].append({"attempt": attempt, "job_id": result.job_id, "submit_time": info["submit_time"]})
+    info["attempts"].append({"attempt": attempt, "job_id": result.job_id, "submit_time": info["submit_time"],
+                             **(history or {})})
     atomic_write_json(run.manifest, info)
+    if held:
+        released = _slurm(["scontrol", "release", result.job_id])
+        if released:
+            raise RecipeError(f"job {result.job_id} was submitted held and could not be released ({released}); "
+                              f"release it with `scontrol release {result.job_id}`")
     return result
+
+
+def _submit(run: RunDir, attempt: int, recipe, groups, extra_env, hold: bool, info: dict,
+            previous: dict | None) -> tuple[str, Path]:
+    """Submit the het job of this attempt; (job id, script). On a refusal the run keeps the manifest
+    of its previous attempt (plus the error), so it still reads as that attempt."""
+    import contextlib
+    import io
+
+    from submitit.core.utils import FailedJobError
+
+    from rlctl.launchers.env import ComponentTask
+    from rlctl.launchers.hetjob import HetSlurmExecutor
+
+    name, script = run.root.name, run.sbatch_script(attempt)
+    folder = run.root / "submitit" / f"attempt_{attempt}"
+    executor = HetSlurmExecutor(folder, groups, hold=hold, **_het_script_options(run, name, attempt, recipe, extra_env))
+    atomic_write_bytes(script, executor.script_text().encode())
+    try:  # submitit echoes sbatch's stderr on failure; the error below says it in one line
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = executor.submit_groups({g.name: ComponentTask(g, str(run.root), attempt) for g in groups})
+    except FailedJobError as e:
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        atomic_write_json(run.manifest, {**(previous or info), "submit_error": "\n".join(lines)})
+        first = lines[0].removeprefix("sbatch: error: ") if lines else str(e)
+        raise RecipeError(f"sbatch refused the job: {first} (script: {script})") from None
+    return job.job_id, script
+
+
+def _slurm(cmd: list[str]) -> str:
+    """Run a Slurm command outside any enclosing job's environment; "" on success, else why not."""
+    from rlctl.launchers.hetjob import strip_slurm_env
+
+    env = {k: v for k, v in os.environ.items() if k not in strip_slurm_env(dict(os.environ))}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    return "" if out.returncode == 0 else (out.stderr.strip() or f"exit code {out.returncode}")
 
 
 def _maybe_build_model(run: RunDir, recipe) -> None:
@@ -232,12 +325,3 @@ def _maybe_build_model(run: RunDir, recipe) -> None:
         from rlctl.trainer.tiny_model import build_tiny_model
 
         build_tiny_model(run.model, seed=recipe.model.build_seed)
-
-
-def resolve_run(ref: str) -> RunDir:
-    """A run directory path, or a run name under $RLCTL_OUTPUT_DIR (default ./runs)."""
-    candidates = [Path(ref).expanduser(), Path(os.environ.get("RLCTL_OUTPUT_DIR", "runs")) / ref]
-    for path in candidates:
-        if (path / "run.json").is_file():
-            return RunDir(path.absolute())
-    raise RecipeError(f"no run directory {ref!r} (looked for run.json in: {', '.join(str(c) for c in candidates)})")

@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rlctl.recipes.errors import RecipeError
+
 ENDED = ("completed", "failed", "cancelled", "lost")
 SLURM_TIMEOUT_S = 10.0
 
@@ -79,14 +81,18 @@ class RunStatus:
 # ----------------------------------------------------------------------------------------- run refs
 
 
-class RunNotFound(ValueError):
-    """A run reference that names no run directory (bad user input)."""
+class RunNotFound(RecipeError, ValueError):
+    """A run reference that names no run directory, or more than one (bad user input: exit 2)."""
 
 
 def default_root(profile: str | None = None) -> Path:
-    """Root of run directories: the profile's shared filesystem if it sets one, else ./runs."""
+    """Where run names are looked up: $RLCTL_OUTPUT_DIR, else the profile's shared filesystem, else
+    ./runs — the order `rlctl launch` picks its output root in (after `deployment.output_dir`)."""
+    env = os.environ.get("RLCTL_OUTPUT_DIR")
+    if env:
+        return Path(env).expanduser()
     if profile:
-        from rlctl.launchers.cluster import load_profile
+        from rlctl.recipes.clusters import load_profile
 
         shared = load_profile(profile).shared_fs
         if shared:
@@ -94,27 +100,55 @@ def default_root(profile: str | None = None) -> Path:
     return Path("runs")
 
 
+def _is_run(path: Path) -> bool:
+    try:
+        return (path / "run.json").is_file()
+    except OSError:  # another user's private run directory
+        return False
+
+
+def _mine(path: Path) -> bool:
+    try:
+        return path.stat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def resolve_run(ref: str, root: Path | str | None = None) -> Path:
-    """A run dir path, a run dir name under `root`, or a recipe name (newest `<name>-*` run) → Path."""
+    """The one way every command finds a run: a run directory path; else a run name under `root`
+    (default: `default_root()`); else the one run of ours named `<ref>-*` there. Never another
+    user's run by name, never a guess among several: both are one-line errors (RunNotFound)."""
     path = Path(ref).expanduser()
-    if (path / "run.json").is_file():
-        return path
+    if _is_run(path):
+        return path.absolute()
     base = Path(root) if root is not None else default_root()
+    hint = "pass the run directory, or a run name (see `rlctl runs`)"
+    if "/" in ref or not ref or ref.startswith("."):
+        raise RunNotFound(f"run {ref!r}: no run.json at {path}; {hint}")
     candidate = base / ref
-    if (candidate / "run.json").is_file():
-        return candidate
-    if base.is_dir() and "/" not in ref:
-        named = [d for d in base.glob(f"{ref}-*") if (d / "run.json").is_file()]
-        if named:
-            return max(named, key=lambda d: (d / "run.json").stat().st_mtime)
-    raise RunNotFound(f"run {ref!r}: no run.json at {path} or under {base} (pass a run dir or a run name; see `rlctl runs`)")
+    if _is_run(candidate) or candidate.is_dir():
+        if not _mine(candidate):
+            raise RunNotFound(f"run {ref!r} under {base} belongs to another user; pass its path to use it anyway")
+        if _is_run(candidate):
+            return candidate.absolute()
+    named = [d for d in list_runs(base) if d.name.startswith(f"{ref}-")]
+    if len(named) == 1:
+        return named[0].absolute()
+    if named:
+        shown = ", ".join(d.name for d in named[-5:]) + (" ..." if len(named) > 5 else "")
+        raise RunNotFound(f"run {ref!r} is ambiguous under {base}: {len(named)} runs match ({shown}); "
+                          "pass the full run name")
+    raise RunNotFound(f"run {ref!r}: no run.json at {path} or under {base}; {hint}")
 
 
 def list_runs(root: Path | str) -> list[Path]:
+    """The runs of the current user under `root` (others' runs in a shared root are not listed)."""
     root = Path(root)
-    if not root.is_dir():
+    try:
+        entries = list(root.iterdir()) if root.is_dir() else []
+    except OSError:
         return []
-    return sorted((d for d in root.iterdir() if (d / "run.json").is_file()), key=lambda d: d.name)
+    return sorted((d for d in entries if _mine(d) and _is_run(d)), key=lambda d: d.name)
 
 
 # ------------------------------------------------------------------------------------------- state

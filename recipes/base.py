@@ -1,11 +1,14 @@
 """Shared pieces of the recipe schema: the strict base model and the `auto` degree type."""
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 AUTO = "auto"
+# Run names become directory names, Slurm job names and lines of the batch script: a safe alphabet only.
+RUN_NAME_ALLOWED = "letters, digits, '.', '_' and '-' (not starting with '.'), at most 100 characters"
+RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$", max_length=100)]
 # A parallel degree or node count the planner may choose: a positive int or the literal "auto".
 Degree = Union[Literal["auto"], int]
 
@@ -23,4 +26,4 @@ def positive_degree(value: Degree, name: str) -> Degree:
     return value
 
 
-__all__ = ["AUTO", "Degree", "StrictModel", "Field", "positive_degree"]
+__all__ = ["AUTO", "Degree", "RUN_NAME_ALLOWED", "RunName", "StrictModel", "Field", "positive_degree"]

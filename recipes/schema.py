@@ -7,7 +7,7 @@ from rlctl.inference.config import InferenceConfig, RouterConfig
 from rlctl.launchers.config import CheckpointConfig, ClusterConfig, DeploymentConfig, MonitoringConfig
 from rlctl.orchestrator.config import OrchestratorConfig
 from rlctl.orchestrator.exchange.config import WeightsConfig
-from rlctl.recipes.base import StrictModel
+from rlctl.recipes.base import RunName, StrictModel
 from rlctl.trainer.config import TrainerConfig
 
 
@@ -30,8 +30,8 @@ class ModelConfig(StrictModel):
 class Recipe(StrictModel):
     """A complete RL run description. Every section is optional except `model`."""
 
-    name: str = "run"
-    """Run name (the run directory is `<output_dir>/<name>-<timestamp>`)."""
+    name: RunName = "run"
+    """Run name (the run directory is `<output_dir>/<name>-<timestamp>`): letters, digits, '.', '_', '-'."""
     model: ModelConfig
     """The policy model."""
     cluster: ClusterConfig = ClusterConfig()
@@ -52,10 +52,3 @@ class Recipe(StrictModel):
     """Published policy weights."""
     monitoring: MonitoringConfig = MonitoringConfig()
     """Logging and metrics."""
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not v or "/" in v or v.startswith("."):
-            raise ValueError("name must be non-empty, without '/' and not start with '.'")
-        return v
