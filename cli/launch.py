@@ -1,7 +1,6 @@
 """`rlctl launch`, `rlctl cancel`, `rlctl logs`. Domain code is imported inside the commands."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import List, Optional
@@ -41,88 +40,6 @@ def _print_summary(result, rows: list[dict]) -> None:
         else:
             where = "this host"
         typer.echo(f"  {r['name']:<13} {r['nodes']} node(s) x {r['ntasks_per_node']} task(s)  {where}")
-
-
-def _wait_slurm(result, as_json: bool, progress: _Progress) -> int:
-    from rlctl.launchers.hetjob import component_states, job_finished
-
-    last = None
-    while True:
-        states = component_states(result.job_id)
-        view = {k: (v["state"], v["nodelist"]) for k, v in states.items()}
-        if view != last and not as_json:
-            progress.break_line()
-            typer.echo(time.strftime("%H:%M:%S ") + "  ".join(
-                f"{g.name}={states.get(g.het_index, {}).get('state', '?')}" for g in result.groups), err=True)
-            last = view
-        progress.update()
-        if job_finished(states):
-            bad = {k: v["state"] for k, v in states.items() if v["state"] != "COMPLETED"}
-            return 1 if bad else 0
-        time.sleep(1.0)
-
-
-class _Progress:
-    """Steps, reward and ETA on stderr while --wait follows a run: one rewritten line on a terminal,
-    a new line only when something changed in logs and pipes."""
-
-    def __init__(self, run_root, enabled: bool):
-        self.run_root, self.enabled = run_root, enabled
-        self.tty = sys.stderr.isatty()
-        self.last_line, self.last_time = None, 0.0
-        self.summary: dict | None = None
-
-    def update(self, force: bool = False) -> None:
-        if not self.enabled or (not force and time.monotonic() - self.last_time < 2.0):
-            return
-        from rlctl.cli.monitor_view import progress_line
-        from rlctl.launchers.run_summary import summarize
-        from rlctl.orchestrator.exchange.metrics import read_records
-        from rlctl.launchers.status import run_state
-
-        self.last_time = time.monotonic()
-        try:
-            self.summary = summarize(run_state(self.run_root), read_records(self.run_root))
-        except (OSError, ValueError):
-            return  # a half-written status file; the next poll reads it whole
-        line = progress_line(self.summary)
-        if line != self.last_line:
-            sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
-            sys.stderr.flush()
-            self.last_line = line
-
-    def break_line(self) -> None:
-        """End the rewritten terminal line before other output is printed."""
-        if self.enabled and self.tty and self.last_line is not None:
-            sys.stderr.write("\n")
-            self.last_line = None
-
-    close = break_line
-
-
-def _wait_local(result, progress: _Progress) -> int:
-    from rlctl.launchers.local import status_dir
-    from rlctl.launchers.status import pid_alive
-
-    path = status_dir(result.run) / "supervisor.json"
-
-    def read() -> dict:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {}
-
-    while True:
-        st = read()
-        if st.get("pid") and not pid_alive(st["pid"], st.get("started")):
-            st = read()  # it may have written its end just before exiting
-            if st.get("state") not in ("exited", "cancelled"):
-                progress.update(force=True)
-                return 1  # killed before it could write its end
-        if st.get("state") in ("exited", "cancelled"):
-            return int(st.get("returncode") or 0)
-        progress.update()
-        time.sleep(0.5)
 
 
 def launch_cmd(
@@ -180,16 +97,20 @@ def launch_cmd(
 
 
 def follow_run(result, as_json: bool) -> int:
-    """--wait of `launch` and `resume`: follow the started attempt with progress until it ends; its exit code."""
-    progress = _Progress(result.run.root, enabled=not as_json)
-    rc = _wait_slurm(result, as_json, progress) if result.job_id else _wait_local(result, progress)
-    progress.update(force=True)
-    progress.close()
+    """--wait of `launch` and `resume`: follow the started attempt with progress until it ends (or a
+    component stalls); its exit code."""
+    from rlctl.cli.follow import exit_code, follow
+
+    final = follow(result.run.root, quiet=as_json, interval=2.0 if result.job_id else 0.5)
+    rc = exit_code(final)
     if not as_json:
-        final = progress.summary or {}
         if final.get("reward_mean") is not None:
             typer.echo(f"final reward mean {final['reward_mean']:.3f} (first {final['reward_first']:.3f}) "
                        f"after {final['steps_done']} step(s)")
+        if final["stalled"]:
+            from rlctl.launchers.run_summary import stall_message
+
+            typer.echo(f"run {final['name']} {stall_message(final)} (still running; `rlctl cancel` stops it)")
         typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc}); logs: {result.run.logs / 'latest'}")
     return rc
 

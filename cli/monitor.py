@@ -2,8 +2,6 @@
 and `rlctl runs` (the runs under an output root with their state)."""
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -28,13 +26,9 @@ def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> Path:
 
 
 def _snapshot(run_dir: Path):
-    from rlctl.launchers.run_summary import log_errors, summarize
-    from rlctl.orchestrator.exchange.metrics import read_records
-    from rlctl.launchers.status import run_state
+    from rlctl.cli.follow import snapshot
 
-    status = run_state(run_dir)
-    metrics = read_records(run_dir)
-    return summarize(status, metrics, log_errors(run_dir, status.attempt)), metrics
+    return snapshot(run_dir)
 
 
 def write_plot(run_dir: Path, out: Path) -> None:
@@ -46,18 +40,19 @@ def write_plot(run_dir: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlctl.launchers.run_summary import by_step, series
-    from rlctl.orchestrator.exchange.metrics import read_records
+    from rlctl.launchers.run_summary import ORCH_STEP_S, REWARD, TRAINER_STEP_S, by_step, series
+    from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord, keys_of, read_records
 
+    LAG_MEAN, LAG_MAX = keys_of(OrchestratorStepRecord, "off_policy_lag_mean", "off_policy_lag_max")
     metrics = read_records(run_dir)
     trainer, orch = by_step(metrics, "trainer"), by_step(metrics, "orchestrator")
     if not trainer and not orch:
         fail(f"--plot: no metrics yet in {Path(run_dir) / 'metrics'}")
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     panels = (
-        ("reward", [(orch, "reward_mean", "reward mean")]),
-        ("step time (s)", [(trainer, "trainer_step_time_s", "trainer"), (orch, "orchestrator_step_time_s", "orchestrator")]),
-        ("off-policy lag (steps)", [(orch, "off_policy_lag_mean", "mean"), (orch, "off_policy_lag_max", "max")]),
+        ("reward", [(orch, REWARD, "reward mean")]),
+        ("step time (s)", [(trainer, TRAINER_STEP_S, "trainer"), (orch, ORCH_STEP_S, "orchestrator")]),
+        ("off-policy lag (steps)", [(orch, LAG_MEAN, "mean"), (orch, LAG_MAX, "max")]),
     )
     for ax, (ylabel, lines) in zip(axes, panels):
         for records, key, label in lines:
@@ -81,32 +76,6 @@ def write_plot(run_dir: Path, out: Path) -> None:
     tmp.replace(out)
 
 
-def _wait(run_dir: Path, interval: float, timeout: Optional[float], quiet: bool) -> dict:
-    from rlctl.cli.monitor_view import progress_line
-
-    deadline = None if timeout is None else time.monotonic() + timeout
-    tty = sys.stderr.isatty()
-    last_line = None
-    while True:
-        summary, _ = _snapshot(run_dir)
-        line = progress_line(summary)
-        if not quiet and line != last_line:
-            # On a terminal rewrite one line; in CI logs print a line only when something changed.
-            sys.stderr.write(("\r\033[K" + line) if tty else line + "\n")
-            sys.stderr.flush()
-            last_line = line
-        if summary["state"] in ("completed", "failed", "cancelled", "lost"):
-            if tty and not quiet:
-                sys.stderr.write("\n")
-            return summary
-        if deadline is not None and time.monotonic() >= deadline:
-            if tty and not quiet:
-                sys.stderr.write("\n")
-            summary["timed_out"] = True
-            return summary
-        time.sleep(interval)
-
-
 def _live(run_dir: Path, interval: float) -> dict:
     from rich.live import Live
 
@@ -128,7 +97,7 @@ def register(app: typer.Typer) -> None:
         run: str = typer.Argument(..., help="Run directory, or a run name under the output root."),
         once: bool = typer.Option(False, "--once", help="Print the status once and exit."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON status object (implies --once unless --wait)."),
-        wait: bool = typer.Option(False, "--wait", help="Block until the run ends: exit 0 if completed, 1 if failed/cancelled/lost."),
+        wait: bool = typer.Option(False, "--wait", help="Block until the run ends: exit 0 if completed, 1 if failed/cancelled/lost or a component stalled."),
         interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="With --wait: give up after S seconds (exit 3)."),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of reward, step times and lag over steps."),
@@ -144,7 +113,9 @@ def register(app: typer.Typer) -> None:
             fail(f"--plot writes a PNG; the file name must end in .png, got {plot}")
         run_dir = _resolve(run, root, profile)
         if wait:
-            summary = _wait(run_dir, interval, timeout, quiet=as_json)
+            from rlctl.cli.follow import follow
+
+            summary = follow(run_dir, quiet=as_json, interval=interval, timeout=timeout)
         elif once or as_json or plot is not None:
             summary, metrics = _snapshot(run_dir)
             if not as_json and (once or plot is None):
@@ -162,6 +133,11 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(summary)
         if wait:
+            if summary["stalled"]:
+                from rlctl.launchers.run_summary import stall_message
+
+                typer.echo(f"{summary['name']}: {stall_message(summary)}", err=True)
+                raise typer.Exit(EXIT_RUN_FAILED)
             raise typer.Exit(EXIT_TIMEOUT if summary.get("timed_out") else _exit_code(summary["state"]))
         if not (once or as_json or plot is not None):
             raise typer.Exit(_exit_code(summary["state"]))
@@ -174,7 +150,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print a JSON list."),
     ) -> None:
         """List the runs under an output root with their state and progress."""
-        from rlctl.launchers.run_summary import by_step, series
+        from rlctl.launchers.run_summary import REWARD, by_step, series
         from rlctl.launchers.status import default_root, list_runs, run_state
         from rlctl.orchestrator.exchange.metrics import read_records
 
@@ -186,7 +162,7 @@ def register(app: typer.Typer) -> None:
             status = run_state(run_dir)
             metrics = read_records(run_dir)
             trainer, orch = by_step(metrics, "trainer"), by_step(metrics, "orchestrator")
-            rewards = series(orch, "reward_mean")
+            rewards = series(orch, REWARD)
             rows.append({
                 "name": status.name, "run_dir": str(run_dir), "state": status.state, "scheduler": status.scheduler,
                 "job_id": status.job_id, "attempt": status.attempt, "steps_done": len(trainer or orch),

@@ -8,18 +8,22 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord as Orch
+from rlctl.orchestrator.exchange.metrics import TrainerStepRecord as Trainer
+from rlctl.orchestrator.exchange.metrics import key_of
+
 BLOCKS = "▁▂▃▄▅▆▇█"
 STATE_STYLE = {
     "running": "bold green", "completed": "bold cyan", "pending": "yellow", "starting": "yellow",
-    "failed": "bold red", "lost": "bold red", "cancelled": "magenta", "unknown": "dim",
+    "failed": "bold red", "lost": "bold red", "cancelled": "magenta", "unknown": "dim", "stalled": "bold red",
 }
 # (metrics key, label, plan key whose prediction goes next to the measured median)
 SPARK_ROWS = (
-    ("orchestrator", "reward_mean", "reward", None),
-    ("trainer", "trainer_step_time_s", "trainer step (s)", "trainer_step_time_s"),
-    ("orchestrator", "orchestrator_step_time_s", "orchestrator step (s)", "orchestrator_step_time_s"),
-    ("orchestrator", "off_policy_lag_mean", "off-policy lag", None),
-    ("orchestrator", "rollouts_per_s", "rollouts/s", None),
+    ("orchestrator", key_of(Orch, "reward_mean"), "reward", None),
+    ("trainer", key_of(Trainer, "trainer_step_time_s"), "trainer step (s)", "trainer_step_time_s"),
+    ("orchestrator", key_of(Orch, "orchestrator_step_time_s"), "orchestrator step (s)", "orchestrator_step_time_s"),
+    ("orchestrator", key_of(Orch, "off_policy_lag_mean"), "off-policy lag", None),
+    ("orchestrator", key_of(Orch, "rollouts_per_s"), "rollouts/s", None),
 )
 
 
@@ -99,7 +103,7 @@ def _sparks(summary: dict, metrics: list[dict]) -> Table:
     for component, key, label, plan_key in SPARK_ROWS:
         values = [v for _, v in series(records[component], key)]
         median = summary["measured"].get(key)
-        if key == "reward_mean" and values:
+        if key == SPARK_ROWS[0][1] and values:
             import statistics
 
             median = statistics.median(values[-20:])
@@ -123,6 +127,22 @@ def _idle(summary: dict) -> Text:
     return text
 
 
+def _heartbeats(summary: dict) -> Text | None:
+    rows = summary.get("heartbeats") or []
+    if not rows:
+        return None
+    text = Text("heartbeats  ")
+    for h in rows:
+        if h["stalled"]:
+            text.append(f"{h['component']} stalled {fmt_duration(h['stalled_s'])}", style="bold red")
+        elif h["waiting_for"]:
+            text.append(f"{h['component']} waiting for {h['waiting_for']}", style="yellow")
+        else:
+            text.append(f"{h['component']} ok ({fmt_duration(h['since_progress_s'])} ago)", style="green")
+        text.append("   ")
+    return text
+
+
 def _plan_extra(summary: dict) -> Text | None:
     shown = {row[3] for row in SPARK_ROWS if row[3]}
     extra = {k: v for k, v in summary["predicted"].items() if k not in shown}
@@ -143,15 +163,15 @@ def _errors(summary: dict) -> Text | None:
 
 def render_summary(summary: dict, metrics: list[dict]) -> Panel:
     parts = [_header(summary), Text(""), _components(summary), Text(""), _progress(summary),
-             _sparks(summary, metrics), _idle(summary), _plan_extra(summary), _errors(summary)]
+             _sparks(summary, metrics), _idle(summary), _heartbeats(summary), _plan_extra(summary), _errors(summary)]
     return Panel(Group(*(p for p in parts if p is not None)), title="rlctl monitor", title_align="left")
 
 
-def render_status(status, metrics: list[dict], errors: list[dict] | None = None) -> Panel:
-    """The monitor screen for a RunStatus and its metrics.jsonl records."""
+def render_status(status, metrics: list[dict], errors: list[dict] | None = None, beats=None) -> Panel:
+    """The monitor screen for a RunStatus, its metric records and heartbeats."""
     from rlctl.launchers.run_summary import summarize
 
-    return render_summary(summarize(status, metrics, errors), metrics)
+    return render_summary(summarize(status, metrics, errors, beats), metrics)
 
 
 def progress_line(summary: dict) -> str:

@@ -25,6 +25,7 @@ from rlctl.inference.router import stop_process_group
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
                                    inference_target, ipc_safe_tmpdir, render_server_command, server_env)
 from rlctl.inference.processes import die_with_parent
+from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
 from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.recipes.errors import RecipeError
@@ -154,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
     deadline = started + recipe.inference.startup_timeout_s
+    # Progress of a server = health probes it answers; its startup is bounded by its own timeout.
+    heartbeat = Heartbeat(run, f"inference.{index}", beat_interval(recipe.monitoring.stall_timeout_s))
+    probes, next_probe = 0, 0.0
     while not _healthy(url):
+        heartbeat.beat(probes, waiting_for="server startup")
         if proc.poll() is not None:
             time.sleep(0.5)  # let the pump catch the last lines
             return _fail(f"server {index} exited with code {proc.returncode} before becoming ready", tail)
@@ -181,6 +186,11 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
         if proc.poll() is not None:
             time.sleep(0.5)
             return _fail(f"server {index} died with code {proc.returncode}", tail)
+        if time.monotonic() >= next_probe:
+            next_probe = time.monotonic() + heartbeat.interval_s
+            if _healthy(url):
+                probes += 1
+                heartbeat.beat(probes)
         time.sleep(1.0)
 
 

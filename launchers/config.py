@@ -1,9 +1,9 @@
 """The `[cluster]`, `[deployment]`, `[checkpoint]` and `[monitoring]` sections: where and how a run is placed."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from rlctl.recipes.base import StrictModel
 
@@ -147,3 +147,22 @@ class MonitoringConfig(StrictModel):
     """Log level of every component."""
     metrics_interval: int = 1
     """Write a metrics.jsonl record every N steps."""
+    stall_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1800.0
+    """Seconds a component (trainer, orchestrator, an inference server) may go without progress
+    before `rlctl monitor` marks it `stalled` and `monitor --wait` / `launch --wait` exit 1 naming it.
+    Waiting on another component does not count (the trainer waiting for rollouts is not stalled);
+    set it above the longest trainer step and model load you expect."""
+    backends: list[Literal["wandb", "tensorboard"]] = []
+    """Where the orchestrator also sends every metric record, under `<run>/monitoring/`:
+    `wandb` (offline mode; `wandb sync` uploads it later) and/or `tensorboard` (event files).
+    Each needs its package (`pip install 'rlctl[monitoring]'`)."""
+
+    @field_validator("backends")
+    @classmethod
+    def _installed(cls, v: list[str]) -> list[str]:
+        import importlib.util
+
+        missing = [b for b in dict.fromkeys(v) if importlib.util.find_spec(b) is None]  # package = backend name
+        if missing:
+            raise ValueError(f"{', '.join(missing)} chosen but not installed (pip install 'rlctl[monitoring]')")
+        return list(dict.fromkeys(v))

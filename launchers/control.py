@@ -34,17 +34,10 @@ def _is_our_supervisor(pid: int, run: RunDir) -> bool:
 
 
 def run_active(run: RunDir) -> bool:
-    info = run.read_manifest()
-    if info.get("scheduler") == "slurm":
-        if not info.get("job_id"):
-            return False
-        from rlctl.launchers.hetjob import component_states, job_finished
+    """Whether the run is pending or running: the same check as `rlctl monitor` (status.run_state)."""
+    from rlctl.launchers.status import run_state
 
-        states = component_states(info["job_id"])
-        return bool(states) and not job_finished(states)
-    sup = _supervisor(run)
-    pid = sup.get("pid") or info.get("supervisor_pid")
-    return sup.get("state") in ("starting", "running") and bool(pid) and _is_our_supervisor(int(pid), run)
+    return run_state(run.root).state in ("pending", "running")
 
 
 def cancel_run(run: RunDir, timeout: float = 60.0) -> str:

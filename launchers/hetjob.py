@@ -20,10 +20,12 @@ from submitit.core import utils
 from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
 from rlctl.launchers.groups import JobGroup, components
+# Job state is read in one place; component_states & co. stay importable from here.
+from rlctl.launchers.slurm_state import (ACTIVE_STATES, STATES, component_states, job_finished,  # noqa: F401
+                                         parse_component_rows)
 
-# Slurm states after which a job or component will not run again.
-FAILED_STATES = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-                 "PREEMPTED")
+# Slurm states after which a job or component will not run again (PREEMPTED included: see slurm_state).
+FAILED_STATES = tuple(raw for raw, ours in STATES.items() if ours in ("failed", "cancelled"))
 _STATE_RANK = {"RUNNING": 1, "COMPLETING": 1, "PENDING": 2, "REQUEUED": 2, "COMPLETED": 3}
 
 
@@ -302,46 +304,3 @@ class HetSlurmExecutor(SlurmExecutor):
             HetJob(folder=Path(self.folder) / name, job_id=job.job_id).paths.move_temporary_file(
                 pickle_path, "submitted_pickle")
         return job
-
-
-ACTIVE_STATES = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED",
-                 "SIGNALING", "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD")
-
-
-def _rows(cmd: list[str]) -> list[list[str]]:
-    import subprocess
-
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [line.split("|") for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
-
-
-def parse_component_rows(job_id: str, rows: list[list[str]]) -> dict[int, dict]:
-    """`[['12+1', 'RUNNING', 'node[1-2]'], ...]` → {1: {'state': 'RUNNING', 'nodelist': 'node[1-2]'}}.
-    A plain (non-het) job id counts as component 0; step rows (`12+1.0`) are skipped."""
-    out: dict[int, dict] = {}
-    for row in rows:
-        if len(row) < 3 or "." in row[0]:
-            continue
-        jid, state, nodes = row[0], row[1].split()[0] if row[1] else "UNKNOWN", row[2]
-        leader, _, k = jid.partition("+")
-        if leader != str(job_id):
-            continue
-        nodes = "" if nodes in ("", "None assigned", "(null)") or nodes.startswith("(") else nodes
-        out[int(k or 0)] = {"state": state, "nodelist": nodes or None}
-    return out
-
-
-def component_states(job_id: str) -> dict[int, dict]:
-    """Live state and nodes of each het component: squeue while queued, then sacct."""
-    states = parse_component_rows(job_id, _rows(["squeue", "-h", "-j", str(job_id), "-o", "%i|%T|%N"]))
-    if states:
-        return states
-    return parse_component_rows(job_id, _rows(["sacct", "-n", "-X", "-P", "-j", str(job_id),
-                                              "-o", "JobID,State,NodeList"]))
-
-
-def job_finished(states: dict[int, dict]) -> bool:
-    return bool(states) and all(v["state"] not in ACTIVE_STATES for v in states.values())

@@ -20,10 +20,21 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import atomic_write_json
+from rlctl.orchestrator.exchange.metrics import StepRecord
+
+
+@dataclass(kw_only=True)
+class SmokeStepRecord(StepRecord):
+    """The smoke trainer's step record: a reward that rises with the step, and the attempt that wrote it."""
+
+    component = "trainer"
+    reward_mean: float
+    attempt: int
 
 ENV_PREFIXES = ("RLCTL_", "MASTER_", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_ID", "SLURMD_NODENAME")
 ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -107,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: float) -> int:
     """A step counter with the real checkpoint protocol (parts + markers, PREEMPT, resume step)."""
     from rlctl.orchestrator.exchange.checkpoints import TRAINER, is_complete, write_part
+    from rlctl.orchestrator.exchange.heartbeat import Heartbeat
     from rlctl.orchestrator.exchange.metrics import append_record
     from rlctl.orchestrator.exchange.retention import prune_checkpoints, sweep_trainer_staging
 
@@ -133,6 +145,8 @@ def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: fl
     publish(start)
     off_policy = int(recipe.get("orchestrator", {}).get("max_off_policy_steps", 1))
     timeout_s = float(recipe.get("trainer", {}).get("batch_timeout_s", 3600.0))
+    heartbeat = Heartbeat(run, "trainer")
+    heartbeat.beat(start)
     print(f"smoke trainer: steps {start}..{steps - 1} (attempt {attempt})", flush=True)
     for step in range(start, steps):
         if not _wait_served(run, step - off_policy, timeout_s):
@@ -143,8 +157,8 @@ def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: fl
             print(f"smoke trainer: preempted, checkpoint step_{step} saved", flush=True)
             return 0
         time.sleep(step_s)
-        append_record(run, "trainer", {"component": "trainer", "step": step, "time": time.time(),
-                                   "reward_mean": round(step / steps, 6), "attempt": attempt})
+        append_record(run, "trainer", SmokeStepRecord(step=step, reward_mean=round(step / steps, 6), attempt=attempt))
+        heartbeat.beat(step + 1)
         publish(step + 1)
         if interval and (step + 1) % interval == 0:
             save(step + 1)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,19 +20,7 @@ from pathlib import Path
 from rlctl.recipes.errors import RecipeError
 
 ENDED = ("completed", "failed", "cancelled", "lost")
-SLURM_TIMEOUT_S = 10.0
-
-# Slurm job states → our component states.
-_SLURM_STATES = {
-    "PENDING": "pending", "REQUEUED": "pending", "REQUEUE_FED": "pending", "REQUEUE_HOLD": "pending",
-    "RESV_DEL_HOLD": "pending", "PREEMPTED": "pending",
-    "RUNNING": "running", "CONFIGURING": "running", "COMPLETING": "running", "SUSPENDED": "running",
-    "RESIZING": "running", "SIGNALING": "running", "STAGE_OUT": "running", "STOPPED": "running",
-    "COMPLETED": "completed",
-    "CANCELLED": "cancelled", "REVOKED": "cancelled",
-    "FAILED": "failed", "TIMEOUT": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
-    "BOOT_FAIL": "failed", "DEADLINE": "failed", "SPECIAL_EXIT": "failed",
-}
+DEFAULT_STALL_TIMEOUT_S = 1800.0  # monitoring.stall_timeout_s when the manifest has none
 # A supervisor ended by these signals (or exit codes 128+sig) was cancelled, not failed.
 _CANCEL_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
 
@@ -69,6 +55,10 @@ class RunStatus:
     components: list[ComponentStatus] = field(default_factory=list)
     plan: dict = field(default_factory=dict)
     done: bool = False
+    exit_code: int | None = None
+    """Exit code of the local supervisor once it exited (None on Slurm or while it runs)."""
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    """The recipe's `monitoring.stall_timeout_s`."""
 
     @property
     def ended(self) -> bool:
@@ -171,6 +161,7 @@ def run_state(run_dir: Path | str) -> RunStatus:
         max_steps=(recipe.get("orchestrator") or {}).get("max_steps"),
         plan=manifest.get("plan") or {},
         done=(run_dir / "DONE").exists(),
+        stall_timeout_s=float((recipe.get("monitoring") or {}).get("stall_timeout_s") or DEFAULT_STALL_TIMEOUT_S),
     )
     if status.scheduler == "slurm":
         _slurm_state(status, manifest.get("groups") or [])
@@ -192,7 +183,7 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _epoch(value) -> float | None:
+def epoch(value) -> float | None:
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, str):
@@ -226,7 +217,7 @@ def pid_alive(pid: int | None, started=None) -> bool:
         began = _process_start_epoch(pid)
         if began is None:
             return False
-        since = _epoch(started)
+        since = epoch(started)
         # The pid was recycled if its process began well after the record says it started.
         return since is None or began <= since + 5.0
     try:
@@ -277,6 +268,8 @@ def _local_state(status: RunStatus, folder: Path) -> None:
             status.state, status.reason = "unknown", f"no status files in {folder}"
         return
     sup_state = _local_process_state(supervisor, here)
+    if isinstance(supervisor.get("returncode"), int):
+        status.exit_code = supervisor["returncode"]
     if sup_state in ("starting", "running"):
         states = [c.state for c in status.components]
         status.state = "running" if any(s == "running" for s in states) else "pending"
@@ -294,7 +287,7 @@ def _local_state(status: RunStatus, folder: Path) -> None:
 
 
 def _fmt_time(value) -> str | None:
-    when = _epoch(value)
+    when = epoch(value)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)) if when is not None else (str(value) if value else None)
 
 
@@ -308,126 +301,48 @@ def _explain_failure(status: RunStatus) -> None:
 # ------------------------------------------------------------------------------------------- slurm
 
 
-def _run(cmd: list[str]) -> tuple[str | None, str]:
-    """(stdout, "") on success, (None, why) when the command is missing, fails or times out."""
-    if shutil.which(cmd[0]) is None:
-        return None, f"{cmd[0]} not found"
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return None, f"{cmd[0]} timed out after {SLURM_TIMEOUT_S:.0f}s"
-    except OSError as e:
-        return None, f"{cmd[0]}: {e}"
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
-        return None, f"{cmd[0]}: {last}"
-    return proc.stdout, ""
-
-
-def _het_index(job_field: str, leader: str) -> int | None:
-    """`123+1` → 1, `123` → 0 (a plain job is its own component 0); steps and other jobs → None."""
-    if job_field == leader:
-        return 0
-    if job_field.startswith(leader + "+") and job_field[len(leader) + 1:].isdigit():
-        return int(job_field[len(leader) + 1:])
-    return None
-
-
-def sacct_components(job_id: str) -> tuple[dict[int, dict] | None, str]:
-    """Per het component: the newest allocation record and how many times it was requeued."""
-    out, why = _run(["sacct", "-j", job_id, "-X", "-D", "-P", "-n",
-                     "-o", "JobID,JobName,State,ExitCode,NodeList,Start,End"])
-    if out is None:
-        return None, why
-    comps: dict[int, dict] = {}
-    for line in out.splitlines():
-        parts = line.split("|")
-        if len(parts) < 7:
-            continue
-        index = _het_index(parts[0], job_id)
-        if index is None:
-            continue
-        record = dict(zip(("job", "name", "state", "exit_code", "nodes", "start", "end"), parts))
-        record["state"] = record["state"].split()[0]  # "CANCELLED by 0" → CANCELLED
-        previous = comps.get(index)
-        record["records"] = previous["records"] + 1 if previous else 1
-        comps[index] = record  # -D lists older (requeued) records first
-    return comps, ""
-
-
-def squeue_components(job_id: str) -> tuple[dict[int, dict] | None, str]:
-    out, why = _run(["squeue", "-j", job_id, "-h", "-o", "%i|%T|%N|%R"])
-    if out is None:
-        # squeue errors on ids it no longer knows: that just means "not queued".
-        return ({}, "") if "Invalid job id" in why else (None, why)
-    comps = {}
-    for line in out.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) >= 3:
-            index = _het_index(parts[0], job_id)
-            if index is not None:
-                comps[index] = {"state": parts[1], "nodes": parts[2], "reason": parts[3] if len(parts) > 3 else ""}
-    return comps, ""
-
-
 def _slurm_state(status: RunStatus, groups: list[dict]) -> None:
+    from rlctl.launchers.slurm_state import read_job
+
     if not status.job_id:
         status.state, status.reason = "pending", "not submitted yet (no job_id in run.json)"
         return
     job = str(status.job_id)
-    acct, acct_why = sacct_components(job)
-    queue, queue_why = squeue_components(job)
-    if acct is None and queue is None:
-        status.reason = f"cannot ask Slurm about job {job}: {acct_why}; {queue_why}"
+    comps, why = read_job(job)
+    if comps is None:
+        status.reason = why
         return
-    acct, queue = acct or {}, queue or {}
     # Several groups can share one het component (an orchestrator beside inference): each gets a row.
     members: dict[int, list[str]] = {}
     for i, g in enumerate(groups):
         members.setdefault(int(g.get("het_index", i)), []).append(g.get("name", f"group{i}"))
-    het = len(set(members) | set(acct) | set(queue)) > 1
-    for index in sorted(set(members) | set(acct) | set(queue)):
-        a, q = acct.get(index, {}), queue.get(index, {})
-        raw = q.get("state") or a.get("state") or "UNKNOWN"  # squeue is fresher while queued/running
-        state = _SLURM_STATES.get(raw, "unknown")
-        nodes = q.get("nodes") or a.get("nodes") or ""
-        if nodes in ("None assigned", "(null)"):
-            nodes = ""
+    het = len(set(members) | set(comps)) > 1
+    for index in sorted(set(members) | set(comps)):
+        c = comps.get(index, {"ours": "unknown", "state": "UNKNOWN"})
         for group in members.get(index, [f"component{index}"]):
             status.components.append(ComponentStatus(
-                name=f"{group} ({job}+{index})" if het else group, group=group, state=state, nodes=nodes,
-                restarts=_restarts(a), exit_code=a.get("exit_code"),
-                started=_slurm_time(a.get("start")), ended=_slurm_time(a.get("end")),
+                name=f"{group} ({job}+{index})" if het else group, group=group, state=c["ours"],
+                nodes=c.get("nodelist") or "", restarts=c.get("restarts", 0), exit_code=c.get("exit_code"),
+                started=c.get("start"), ended=c.get("end"),
             ))
     states = [c.state for c in status.components]
-    if not states:
-        status.reason = f"Slurm does not know job {job} ({acct_why or queue_why or 'no accounting record'})"
+    if not comps:
+        status.reason = f"Slurm does not know job {job} ({why})"
     elif "running" in states:
         status.state = "running"
     elif "pending" in states:
         status.state = "pending"
-        reasons = {q.get("reason") for q in queue.values() if q.get("reason")}
-        status.reason = ", ".join(sorted(reasons))
+        status.reason = ", ".join(sorted({c["reason"] for c in comps.values() if c.get("reason")}))
     elif "unknown" in states:
         status.reason = "Slurm reports a state rlctl does not know"
     elif "cancelled" in states:
         status.state = "cancelled"
     elif "failed" in states:
         status.state = "failed"
+        if any(c["state"] == "PREEMPTED" for c in comps.values()):
+            status.reason = "preempted and not requeued (`rlctl resume` continues from the newest checkpoint)"
         _explain_failure(status)
     elif status.done:
         status.state = "completed"
     else:
         status.state, status.reason = "failed", "job completed but the orchestrator wrote no DONE marker"
-
-
-def _restarts(record: dict) -> int:
-    """Earlier (requeued) records, plus the newest one when it is itself REQUEUED: sacct shows that
-    record before the record of the next run exists."""
-    if not record:
-        return 0
-    return record["records"] - 1 + (record["state"] == "REQUEUED")
-
-
-def _slurm_time(value: str | None) -> str | None:
-    return value if value and value not in ("Unknown", "None") else None

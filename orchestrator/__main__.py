@@ -27,7 +27,8 @@ from pathlib import Path
 
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import atomic_write_json
-from rlctl.orchestrator.exchange.metrics import append_record
+from rlctl.orchestrator.exchange.heartbeat import Heartbeat
+from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord, append_record
 from rlctl.orchestrator.exchange.steps import complete_steps
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.load import validate
@@ -73,7 +74,9 @@ def wait_for_servers(run: RunDir, count: int, attempt: int, timeout_s: float) ->
     """URLs of `count` announced inference servers, ordered by index."""
     deadline = time.monotonic() + timeout_s
     last = -1
+    heartbeat = Heartbeat(run, "orchestrator")
     while True:
+        heartbeat.beat(0, waiting_for="inference servers")
         found = run.announced("inference")
         if len(found) != last:
             log(f"inference servers announced: {len(found)}/{count}")
@@ -131,9 +134,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
     def on_batch(step: int, groups, metrics: dict) -> None:
         nonlocal reload_index
         reload_s, reload_index = watcher.reload_seconds_since(reload_index)
-        tokens = metrics.pop("tokens")
-        append_record(run, "orchestrator", {"component": "orchestrator", "step": step, "time": time.time(), **metrics,
-                                   "weight_reload_s": reload_s, "tokens": tokens})
+        append_record(run, "orchestrator", OrchestratorStepRecord(step=step, **metrics, weight_reload_s=reload_s))
         log(f"step {step + 1}/{end_step}  reward {metrics['reward_mean']:.3f}  policy v{metrics['policy_version']}  "
             f"lag {metrics['off_policy_lag_mean']:.2f}/{metrics['off_policy_lag_max']}  "
             f"dropped {metrics['dropped_groups']}  {metrics['rollouts_per_s']:.0f} rollouts/s  "
@@ -147,6 +148,12 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
         save_orchestrator_state(run.checkpoints, step + 1, {**state, "counters": counters})
         prune_progress(run.checkpoints, newest_complete(run.checkpoints) or 0)
 
+    from rlctl.orchestrator.monitoring import OrchestratorMonitor
+
+    monitor = OrchestratorMonitor(run, recipe, start_step)
+    loop = None
+    monitor_task = asyncio.create_task(monitor.run(
+        lambda: loop.heartbeat_state() if loop else (policy.version, "trainer (final weights)")))
     watch_task = asyncio.create_task(watcher.run())
     guard_task = asyncio.create_task(watch_router_workers(router_url, api_key, server_urls))
     try:
@@ -157,6 +164,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
             loop = RolloutLoop(settings, env, router_url, api_key, policy, run.rollouts,
                                rng=rng, on_batch=on_batch, before_write=save_progress)
             await _until_first(loop.run(), watch_task, guard_task)
+            loop = None  # from here on the beats say: waiting for the trainer's final weights
         log(f"all {end_step} batches written; waiting for the trainer's final weights step_{end_step}")
         deadline = time.monotonic() + WAIT_FINAL_WEIGHTS_S
         while policy.version < end_step:
@@ -166,10 +174,13 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
             if time.monotonic() > deadline:
                 raise OrchestratorError(f"trainer did not publish weights/step_{end_step} within {WAIT_FINAL_WEIGHTS_S:.0f} s")
             await asyncio.sleep(0.1)
+        await monitor.finish(end_step - 1)
     finally:
+        monitor_task.cancel()
         watch_task.cancel()
         guard_task.cancel()
-        await asyncio.gather(watch_task, guard_task, return_exceptions=True)
+        await asyncio.gather(monitor_task, watch_task, guard_task, return_exceptions=True)
+        monitor.forwarder.close()
         await close()
 
 

@@ -281,6 +281,13 @@ class RolloutLoop:
             "tokens": tokens,
         }
 
+    def heartbeat_state(self) -> tuple[int, str | None]:
+        """(progress counter, what the loop waits on): groups started + tokens received grow while
+        it works; with nothing in flight and the gate closed it waits for the trainer's policy."""
+        need = min_policy_version(self._target_batch(), self.s.max_off_policy_steps)
+        gated = self.in_flight == 0 and self._target_batch() < self.end_step and self.policy.version < need
+        return self.started + self.completed_tokens, f"trainer (policy v{need})" if gated else None
+
     def progress_state(self, next_step: int) -> dict[str, Any]:
         """What a resumed loop needs to continue at batch `next_step` with the same prompt stream."""
         rng = self._rng_at.get(next_step) or self.rng.getstate()

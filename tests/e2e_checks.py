@@ -8,16 +8,18 @@ import sys
 import time
 from pathlib import Path
 
-from rlctl.orchestrator.exchange.metrics import read_records
+from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord, TrainerStepRecord, keys_of, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny-cpu.toml")
 RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
 
-# The per-step metrics of the contract (docs: metrics.jsonl), by the component that records them.
-TRAINER_KEYS = ("trainer_step_time_s", "wait_batch_s", "mismatch_kl", "weight_publish_s")
-ORCHESTRATOR_KEYS = ("reward_mean", "orchestrator_step_time_s", "wait_policy_s", "rollouts_per_s", "tokens_per_s",
-                     "off_policy_lag_mean", "off_policy_lag_max", "dropped_groups", "weight_reload_s")
+# The per-step metrics of the contract (the typed records of exchange/metrics.py), by the component
+# that records them: named through the record classes, so a renamed field fails here too.
+TRAINER_KEYS = keys_of(TrainerStepRecord, "trainer_step_time_s", "wait_batch_s", "mismatch_kl", "weight_publish_s")
+ORCHESTRATOR_KEYS = keys_of(OrchestratorStepRecord, "reward_mean", "orchestrator_step_time_s", "wait_policy_s",
+                            "rollouts_per_s", "tokens_per_s", "off_policy_lag_mean", "off_policy_lag_max",
+                            "dropped_groups", "weight_reload_s")
 
 
 def rlctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

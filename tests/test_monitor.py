@@ -330,3 +330,87 @@ def test_slurm_het_components_mapped_to_groups(vslurm, cli, tmp_path):
     finally:
         subprocess.run(["scancel", job3], check=True, timeout=30)
     assert _until(run3, ("cancelled",)).state == "cancelled"
+
+
+# ------------------------------------------------------------------------- typed records, errors, Slurm
+
+
+def test_metric_records_are_typed_and_renamed_keys_fail_loudly(tmp_path):
+    import dataclasses
+
+    from rlctl.orchestrator.exchange.layout import RunDir
+    from rlctl.orchestrator.exchange.metrics import (OrchestratorStepRecord, TrainerStepRecord, append_record,
+                                                     keys_of, read_records, typed)
+
+    run = RunDir(tmp_path)
+    fields = {f.name for f in dataclasses.fields(TrainerStepRecord)}
+    record = TrainerStepRecord(step=0, **{k: 1.0 for k in fields - {"step", "time"}})
+    append_record(run, "trainer", record)
+    (line,) = (run.metrics / "trainer.jsonl").read_text().splitlines()
+    assert json.loads(line) == {"component": "trainer", **dataclasses.asdict(record)}  # plain JSON on disk
+    assert typed(read_records(run), TrainerStepRecord) == [record]
+    with pytest.raises(TypeError):
+        TrainerStepRecord(step=1, trainer_step_s=1.0)  # a writer with a renamed key fails at once
+    with pytest.raises(KeyError, match="reward_mean_x"):
+        append_record(run, "orchestrator", {"step": 1, "reward_mean_x": 0.5})
+    with pytest.raises(KeyError, match="reward"):
+        keys_of(OrchestratorStepRecord, "reward")  # so does a reader's key (at import)
+
+
+def test_shutdown_errors_after_a_completed_run_are_not_its_errors(cli, finished):
+    log = finished / "logs" / "latest" / "inference" / "server.0.log"
+    log.write_text("INFO starting\nERROR 05-01 12:00:00 could not reach the trainer (retrying)\n"
+                   "rlctl.inference[0]: run finished, stopping the server\n"
+                   "ERROR 05-01 12:00:01 [core_client.py:564] Engine core proc EngineCore_0 died unexpectedly\n"
+                   "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+    data = json.loads(cli("monitor", finished, "--json").stdout)
+    assert data["state"] == "completed"
+    assert [e["line"] for e in data["errors"]] == ["ERROR 05-01 12:00:00 could not reach the trainer (retrying)"]
+    # for a run that did not complete the same lines are shown: they may be why it failed
+    from rlctl.launchers.run_summary import log_errors
+
+    assert any("EngineDeadError" in e["line"] for e in log_errors(finished))
+
+
+def _fake_slurm(monkeypatch, squeue: str, sacct: str) -> None:
+    from rlctl.launchers import slurm_state
+
+    def run(cmd):
+        return (squeue if cmd[0] == "squeue" else sacct), ""
+
+    monkeypatch.setattr(slurm_state, "_run", run)
+
+
+def test_one_slurm_reader_preempted_is_an_end_state_everywhere(tmp_path, monkeypatch):
+    from rlctl.launchers.control import run_active
+    from rlctl.launchers.hetjob import component_states, job_finished
+    from rlctl.orchestrator.exchange.layout import RunDir
+
+    run = tmp_path / "preempted"
+    run.mkdir()
+    atomic_write_json(run / "run.json", {"name": "p", "scheduler": "slurm", "job_id": "77", "attempt": 0,
+                                         "groups": [{"name": "trainer", "het_index": 0}]})
+    # preempted and not requeued: squeue no longer lists it, sacct's newest record says PREEMPTED
+    _fake_slurm(monkeypatch, "", "77|rlctl-p|PREEMPTED|0:15|node1|2024-01-01T00:00:00|2024-01-01T00:10:00\n")
+    status = run_state(run)
+    assert status.state == "failed" and "preempted" in status.reason
+    assert job_finished(component_states("77")) and not run_active(RunDir(run))
+    # preempted and requeued: a new record, PENDING in squeue — pending everywhere, and a restart
+    _fake_slurm(monkeypatch, "77|PENDING|(null)|BeginTime\n",
+                "77|rlctl-p|PREEMPTED|0:15|node1|2024-01-01T00:00:00|2024-01-01T00:10:00\n"
+                "77|rlctl-p|PENDING|0:0|None assigned|Unknown|Unknown\n")
+    status = run_state(run)
+    assert status.state == "pending" and status.components[0].restarts == 1
+    assert not job_finished(component_states("77")) and run_active(RunDir(run))
+
+
+def test_a_new_attempt_clears_announcements_and_heartbeats(tmp_path):
+    from rlctl.launchers.launch import launch
+    from rlctl.launchers.resume import resume
+
+    first = launch(["smoke"], [f"deployment.output_dir={tmp_path}"], cluster="local", name="again", dry_run=True)
+    run = first.run
+    atomic_write_json(run.services / "inference" / "0.json", {"url": "http://127.0.0.1:1"})
+    atomic_write_json(run.heartbeats / "trainer.json", {"component": "trainer"})
+    resume(run, dry_run=True)
+    assert run.announced("inference") == [] and not list(run.heartbeats.glob("*.json"))

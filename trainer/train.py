@@ -19,7 +19,8 @@ from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchReader
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.retention import release_rollouts, retain_weights, sweep_trainer_staging
 from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
-from rlctl.orchestrator.exchange.metrics import append_record
+from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
+from rlctl.orchestrator.exchange.metrics import TrainerStepRecord, append_record
 from rlctl.orchestrator.exchange.steps import step_dir_name
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.load import validate
@@ -168,6 +169,8 @@ class Trainer:
         from rlctl.orchestrator.exchange.batches_fs import read_batch
         from rlctl.trainer.checkpoint import save_checkpoint
 
+        self.heartbeat = Heartbeat(self.run, "trainer", beat_interval(self.recipe.monitoring.stall_timeout_s))
+        self._beat(self.start_step)
         publish_s = self.publish(self.start_step)
         self.log(f"published weights/{step_dir_name(self.start_step)} in {publish_s:.3f}s")
         done = self.run.done
@@ -187,14 +190,13 @@ class Trainer:
             step_s = time.perf_counter() - t0
             publish_s = self.publish(step + 1)
             if self.rank == 0:
-                record = {
-                    "component": "trainer", "step": step, "time": time.time(),
-                    "trainer_step_time_s": step_s, "wait_batch_s": wait_s, "weight_publish_s": publish_s,
-                    "reward_mean_batch": float(batch["rewards"].float().mean()) if "rewards" in batch else None,
-                    "policy_version_max": meta.get("policy_version_max"),
-                    **metrics,
-                }
+                record = TrainerStepRecord(
+                    step=step, trainer_step_time_s=step_s, wait_batch_s=wait_s, weight_publish_s=publish_s,
+                    reward_mean_batch=float(batch["rewards"].float().mean()) if "rewards" in batch else None,
+                    policy_version_max=meta.get("policy_version_max"), **metrics,
+                )
                 append_record(self.run, "trainer", record)
+                self._beat(step + 1)
                 self.log(
                     f"step {step}: loss={metrics['loss']:+.4f} kl={metrics['mismatch_kl']:.2e} "
                     f"entropy={metrics.get('entropy', float('nan')):.3f} grad_norm={metrics['grad_norm']:.3f} "
@@ -220,12 +222,17 @@ class Trainer:
         while True:
             if preempt.exists():
                 return PREEMPTED
+            self._beat(step, waiting_for=f"rollouts/{step_dir_name(step)}")
             try:
                 return wait_for_batch(self.run.rollouts, step, min(1.0, max(0.0, deadline - time.monotonic())),
                                       stop_file=done)
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
+
+    def _beat(self, steps_done: int, waiting_for: str | None = None) -> None:
+        if self.rank == 0:  # one heartbeat per trainer: its rank 0
+            self.heartbeat.beat(steps_done, waiting_for)
 
     def _agree_on_preemption(self, mine: bool) -> bool:
         """All ranks take the same branch: one sees the request, another the batch (a collective)."""

@@ -11,6 +11,7 @@
       status/<component>.json       local process records (pid, state, exit code)
       heartbeats/<component>.json   last progress of each component (see heartbeat.py)
       metrics/<writer>.jsonl        typed metric records, one file per writer (see metrics.py)
+      monitoring/<backend>/         W&B (offline) / TensorBoard files fed from the metric records
       logs/attempt_N/<group>/<component>.log, logs/latest -> attempt_N
       sbatch/attempt_N.sh           the generated batch script of each Slurm attempt
       checkpoints/step_N/<part>/    complete only when every part has its marker (see checkpoints.py)
@@ -49,6 +50,7 @@ class RunDir:
     status = property(lambda self: self.root / "status")
     heartbeats = property(lambda self: self.root / "heartbeats")
     metrics = property(lambda self: self.root / "metrics")
+    monitoring = property(lambda self: self.root / "monitoring")
     logs = property(lambda self: self.root / "logs")
     sbatch = property(lambda self: self.root / "sbatch")
     checkpoints = property(lambda self: self.root / "checkpoints")

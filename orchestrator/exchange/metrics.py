@@ -1,24 +1,135 @@
-"""Metric records: one JSON-lines file per writer (`metrics/<writer>.jsonl`), one reader for all.
+"""Metric records: typed per writer, one JSON-lines file per writer (`metrics/<writer>.jsonl`), one reader.
 
 One file per writer because appends from several hosts to one file are not atomic on NFS; each
 writer (trainer rank 0, the orchestrator, ...) appends whole lines to its own file only. Readers
 merge the files; a line being appended right now is skipped.
+
+Writers construct the record classes below (an unknown or missing field is a TypeError at the
+writer, not a silently empty plot); readers name keys through `keys_of(...)`, which fails at import
+when a key is renamed. On disk a record is its fields plus `component`, as plain JSON.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from rlctl.orchestrator.exchange.files import append_jsonl, atomic_write_bytes
 from rlctl.orchestrator.exchange.layout import RunDir
+
+
+@dataclass(kw_only=True)
+class StepRecord:
+    """What every metric record has: the step it describes and when it was written."""
+
+    component: ClassVar[str] = ""
+    """Who wrote it (`trainer`, `orchestrator`); readers group records by it."""
+    step: int
+    """The training step (0-based) this record describes."""
+    time: float = field(default_factory=time.time)
+    """Unix time the record was written."""
+
+    def to_json(self) -> dict:
+        return {"component": self.component, **dataclasses.asdict(self)}
+
+
+@dataclass(kw_only=True)
+class TrainerStepRecord(StepRecord):
+    """One line of `metrics/trainer.jsonl`, written by trainer rank 0 after each training step."""
+
+    component: ClassVar[str] = "trainer"
+    trainer_step_time_s: float
+    """Seconds of forward, backward and optimizer step (the batch already read)."""
+    wait_batch_s: float
+    """Seconds waiting for `rollouts/step_N` (the trainer idle because inference is behind)."""
+    weight_publish_s: float
+    """Seconds publishing the new weights (`weights/step_N+1`)."""
+    loss: float
+    """Sum of the per-token loss over the batch."""
+    grad_norm: float
+    """Gradient norm before clipping."""
+    tokens: int
+    """Trained (loss-masked) tokens in the batch."""
+    lr: float
+    """Learning rate used for this step."""
+    mismatch_kl: float
+    """Mean per-token KL between inference and trainer probabilities."""
+    masked_fraction: float
+    """Fraction of tokens masked because trainer and inference disagreed too much."""
+    ratio_mean: float
+    """Mean token importance ratio trainer / inference."""
+    entropy: float | None = None
+    """Mean per-token entropy of the trainer's distribution (None when the loss does not report it)."""
+    reward_mean_batch: float | None = None
+    """Mean reward of the trained batch."""
+    policy_version_max: int | None = None
+    """Newest policy version that generated a token of the batch."""
+
+
+@dataclass(kw_only=True)
+class OrchestratorStepRecord(StepRecord):
+    """One line of `metrics/orchestrator.jsonl`, written when batch `step` is complete."""
+
+    component: ClassVar[str] = "orchestrator"
+    reward_mean: float
+    """Mean reward of the batch's rollouts."""
+    orchestrator_step_time_s: float
+    """Seconds from the start of collecting the batch to writing it."""
+    wait_policy_s: float
+    """Seconds the off-policy gate held the batch back (inference idle because the trainer is behind)."""
+    rollouts_per_s: float
+    """Rollouts of the batch per second of the step."""
+    tokens_per_s: float
+    """Trained tokens of the batch per second of the step."""
+    off_policy_lag_mean: float
+    """Mean over tokens of (step - policy version that generated the token)."""
+    off_policy_lag_max: int
+    """Largest such lag in the batch."""
+    dropped_groups: int
+    """Groups dropped as too off-policy while this batch was collected (each one replaced)."""
+    policy_version: int
+    """Policy version the servers served when the batch was written."""
+    tokens: int
+    """Trained (loss-masked) tokens in the batch."""
+    weight_reload_s: float | None = None
+    """Seconds the servers spent reloading weights since the previous batch."""
+
+
+RECORDS: dict[str, type[StepRecord]] = {cls.component: cls for cls in (TrainerStepRecord, OrchestratorStepRecord)}
+
+
+def keys_of(cls: type[StepRecord], *names: str) -> tuple[str, ...]:
+    """`names`, each checked to be a field of `cls`: readers take their keys from here so that a
+    renamed field fails at import instead of showing an empty series."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise KeyError(f"{cls.__name__} has no field {', '.join(missing)}")
+    return names
+
+
+def key_of(cls: type[StepRecord], name: str) -> str:
+    return keys_of(cls, name)[0]
 
 
 def writer_file(run: RunDir, writer: str) -> Path:
     return run.metrics / f"{writer}.jsonl"
 
 
-def append_record(run: RunDir, writer: str, record: dict) -> None:
-    append_jsonl(writer_file(run, writer), record)
+def append_record(run: RunDir, writer: str, record: StepRecord | dict) -> None:
+    """Append one record to `writer`'s file. A plain dict for a known writer may hold only that
+    writer's fields (a misspelled key fails here)."""
+    if isinstance(record, StepRecord):
+        data = record.to_json()
+    else:
+        cls = RECORDS.get(writer)
+        if cls is not None:
+            keys_of(cls, *(k for k in record if k != "component"))
+        data = {"component": writer, **record}
+    append_jsonl(writer_file(run, writer), data)
 
 
 def _read_lines(path: Path) -> list[tuple[str, dict]]:
@@ -44,6 +155,22 @@ def read_records(run_dir: Path | RunDir) -> list[dict]:
     for path in sorted(run.metrics.glob("*.jsonl")) if run.metrics.is_dir() else ():
         records += [record for _, record in _read_lines(path)]
     return sorted(records, key=lambda r: r.get("time") if isinstance(r.get("time"), (int, float)) else 0.0)
+
+
+def typed(records: list[dict], cls: type[StepRecord]) -> list[StepRecord]:
+    """The records of `cls`'s component as `cls`, one per step (the last one wins), ordered by step.
+    Keys the class does not know (written by a newer version) are ignored; a record missing a
+    required field is skipped."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    latest: dict[int, StepRecord] = {}
+    for record in records:
+        if record.get("component") != cls.component or not isinstance(record.get("step"), int):
+            continue
+        try:
+            latest[record["step"]] = cls(**{k: v for k, v in record.items() if k in names})
+        except TypeError:
+            continue
+    return [latest[s] for s in sorted(latest)]
 
 
 def keep_before(run: RunDir, step: int, source: RunDir | None = None) -> int:

@@ -1,0 +1,87 @@
+"""The one follow loop of `launch --wait`, `resume --wait` and `monitor --wait`: poll the run's state
+(the same reader as `rlctl monitor`), show progress on stderr, stop when the run ended, a component
+stalled (heartbeats, `monitoring.stall_timeout_s`) or the timeout passed."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ENDED = ("completed", "failed", "cancelled", "lost")
+
+
+def snapshot(run_dir: Path, with_errors: bool = True) -> tuple[dict, list[dict]]:
+    """(summary, metric records) of a run as `rlctl monitor` shows it."""
+    from rlctl.launchers.run_summary import log_errors, summarize
+    from rlctl.launchers.status import run_state
+    from rlctl.orchestrator.exchange.heartbeat import read_beats
+    from rlctl.orchestrator.exchange.metrics import read_records
+
+    status = run_state(run_dir)
+    metrics = read_records(run_dir)
+    errors = log_errors(run_dir, status.attempt, completed=status.state == "completed") if with_errors else []
+    return summarize(status, metrics, errors, read_beats(run_dir)), metrics
+
+
+class _Lines:
+    """Progress on stderr: one rewritten line on a terminal, a new line only when something changed
+    in logs and pipes."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.tty = quiet, sys.stderr.isatty()
+        self.last: str | None = None
+
+    def show(self, line: str, keep: bool = False) -> None:
+        if self.quiet or line == self.last:
+            return
+        if keep:  # a line that must stay (component states) ends the rewritten one first
+            self.end()
+            sys.stderr.write(line + "\n")
+        else:
+            sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
+            self.last = line
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if not self.quiet and self.tty and self.last is not None:
+            sys.stderr.write("\n")
+        self.last = None
+
+
+def follow(run_dir: Path, quiet: bool = False, interval: float = 1.0, timeout: float | None = None) -> dict:
+    """Follow the run until it ends (the final summary), a component stalls (`summary["stalled"]`
+    names them) or `timeout` seconds pass (`summary["timed_out"]`)."""
+    from rlctl.cli.monitor_view import progress_line
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    lines = _Lines(quiet)
+    components = None
+    while True:
+        try:
+            summary, _ = snapshot(run_dir, with_errors=False)
+        except (OSError, ValueError):
+            time.sleep(interval)  # a file replaced right now; the next poll reads it whole
+            continue
+        states = "  ".join(f"{c['name']}={c['state']}" for c in summary["components"])
+        if states and states != components:
+            lines.show(time.strftime("%H:%M:%S ") + states, keep=True)
+            components = states
+        lines.show(progress_line(summary))
+        ended = summary["state"] in ENDED
+        if ended or summary["stalled"]:
+            lines.end()
+            return snapshot(run_dir)[0] if ended else summary
+        if deadline is not None and time.monotonic() >= deadline:
+            lines.end()
+            summary["timed_out"] = True
+            return summary
+        time.sleep(interval)
+
+
+def exit_code(summary: dict) -> int:
+    """0 for a completed run; the local supervisor's own code when it failed with one; 1 otherwise
+    (failed, cancelled, lost, stalled)."""
+    if summary["state"] == "completed" and not summary["stalled"]:
+        return 0
+    code = summary.get("exit_code")
+    return code if isinstance(code, int) and code > 0 and not summary["stalled"] else 1
