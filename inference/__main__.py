@@ -3,7 +3,8 @@
 Reads the resolved recipe and placement from the run dir and `RLCTL_SERVER_INDEX` / `RLCTL_BIND_HOST`
 from the environment, starts the server as a child (its own process group, output copied to our
 stdout), announces it once healthy, and exits when it dies (non-zero), when `<run>/DONE` appears
-(exit 0) or on SIGTERM/SIGINT — always taking the server's whole process group down with it.
+(exit 0) or on SIGTERM/SIGINT — always taking the server's whole process group down with it (TERM, then
+KILL after `SERVER_STOP_S`: see rlctl.inference.processes for why TERM alone does not do).
 """
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rlctl.inference.router import stop_process_group
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
                                    inference_target, ipc_safe_tmpdir, render_server_command, server_env)
-from rlctl.inference.processes import die_with_parent
+from rlctl.inference.processes import exit_status, own_group_dying_with_parent, private_umask, stop_process_group
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
 from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.orchestrator.exchange.layout import RunDir
@@ -32,6 +32,9 @@ from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.load import validate
 
 LOG_TAIL_LINES = 40
+# TERM → KILL bound for the server's process group; shorter than the launchers' own bound for this
+# process (launchers/local.py KILL_AFTER_S), so the server is gone before anyone kills us.
+SERVER_STOP_S = 8.0
 
 
 def _placement(run: RunDir) -> Placement:
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlctl.inference", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default=os.environ.get("RLCTL_RUN_DIR"), help="the run directory")
     args = parser.parse_args(argv)
+    private_umask()  # the server's caches and temp files under the run dir, too
     if not args.run_dir:
         return _fail("--run-dir (or RLCTL_RUN_DIR) is required")
     run = RunDir(Path(args.run_dir))
@@ -137,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     started = time.monotonic()
+    # Own process group so we can stop it (and vLLM's engine, workers, resource tracker) without signalling
+    # ourselves; inside our session, so the launcher reaches it even if we die first.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=die_with_parent)
+                            cwd=run.root, preexec_fn=own_group_dying_with_parent)
     tail: collections.deque = collections.deque(maxlen=LOG_TAIL_LINES)
     pump = threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True)
     pump.start()
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _supervise(run, proc, url, index, host, recipe, stop, started, tail)
     finally:
-        stop_process_group(proc)
+        stop_process_group(proc, SERVER_STOP_S)
         pump.join(timeout=5)
         (run.services / "inference" / f"{index}.json").unlink(missing_ok=True)
         if private_tmp:
@@ -160,9 +166,9 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
     probes, next_probe = 0, 0.0
     while not _healthy(url):
         heartbeat.beat(probes, waiting_for="server startup")
-        if proc.poll() is not None:
+        if (code := exit_status(proc)) is not None:
             time.sleep(0.5)  # let the pump catch the last lines
-            return _fail(f"server {index} exited with code {proc.returncode} before becoming ready", tail)
+            return _fail(f"server {index} exited with code {code} before becoming ready", tail)
         if stop.is_set():
             return 143
         if time.monotonic() > deadline:
@@ -183,9 +189,9 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
         if stop.is_set():
             print(f"rlctl.inference[{index}]: stop requested, stopping the server", flush=True)
             return 143
-        if proc.poll() is not None:
+        if (code := exit_status(proc)) is not None:
             time.sleep(0.5)
-            return _fail(f"server {index} died with code {proc.returncode}", tail)
+            return _fail(f"server {index} died with code {code}", tail)
         if time.monotonic() >= next_probe:
             next_probe = time.monotonic() + heartbeat.interval_s
             if _healthy(url):

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlctl.inference.server import free_port
-from rlctl.inference.processes import die_with_parent
+from rlctl.inference.processes import (has_exited, own_group_dying_with_parent, python_module_argv,
+                                       stop_process_group)
 
 ROUTER_HOST = "127.0.0.1"  # only the orchestrator, on this node, talks to the router
 KEY_CHECK_ROUTE = "/v1/models"  # cheap, and open to the api key on every server (auth.py)
@@ -44,31 +43,12 @@ def render_router_command(worker_urls: list[str], policy: str, port: int, promet
     """argv of the router child. Holds no secret: the key is validated by asking the servers."""
     if not worker_urls:
         raise ValueError("the router needs at least one worker URL")
-    cmd = [python or sys.executable, "-m", "rlctl.inference.router", "--port", str(port), "--prometheus-port", str(prometheus_port),
-           "--policy", policy,
+    cmd = [*python_module_argv("rlctl.inference.router", python or sys.executable),
+           "--port", str(port), "--prometheus-port", str(prometheus_port), "--policy", policy,
            "--worker-urls", *worker_urls]
     for url in worker_urls:
         cmd += ["--key-check-url", url.rstrip("/") + KEY_CHECK_ROUTE]
     return cmd
-
-
-def stop_process_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> int | None:
-    """SIGTERM the child's process group, SIGKILL it after `timeout_s`; returns the exit code."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    # The leader may be gone while workers it spawned linger in the group: make sure they are too.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return proc.wait()
 
 
 def _get(url: str, api_key: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -111,11 +91,11 @@ class RouterProcess:
     url: str
     command: list[str]
 
-    def stop(self, timeout_s: float = 10.0) -> int | None:
+    def stop(self, timeout_s: float = 5.0) -> int | None:
         return stop_process_group(self.proc, timeout_s)
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not has_exited(self.proc)  # without reaping it: stop() still needs its group
 
 
 def start_router(worker_urls: list[str], policy: str, *, api_key: str, log_path: Path | None = None,
@@ -128,9 +108,9 @@ def start_router(worker_urls: list[str], policy: str, *, api_key: str, log_path:
     cmd = render_router_command(worker_urls, policy, port, prometheus_port)
     out = open(log_path, "ab") if log_path is not None else None
     try:
-        # Own session so stop() can take its group down; dies with us if we are killed before stop().
+        # Own group (in our session) so stop() can take it down; dies with us if we are killed before stop().
         proc = subprocess.Popen(cmd, stdout=out or None, stderr=subprocess.STDOUT if out else None,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+                                stdin=subprocess.DEVNULL, preexec_fn=own_group_dying_with_parent)
     finally:
         if out is not None:
             out.close()
@@ -139,7 +119,7 @@ def start_router(worker_urls: list[str], policy: str, *, api_key: str, log_path:
     deadline = time.monotonic() + timeout_s
     while _get(f"{router.url}/health", api_key)[0] != 200:
         if not router.alive():
-            raise RuntimeError(f"vllm-router exited with code {proc.returncode} before becoming ready{where}")
+            raise RuntimeError(f"vllm-router exited with code {router.stop()} before becoming ready{where}")
         if time.monotonic() > deadline:
             router.stop()
             raise RuntimeError(f"vllm-router not ready after {timeout_s:.0f} s{where}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shlex
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from rlctl.inference.auth import ADMIN_TOKEN_ENV, API_KEY_ENV
+from rlctl.inference.processes import python_module_argv
 from rlctl.recipes.errors import RecipeError
 
 Target = Literal["cpu", "gpu"]
@@ -161,7 +163,7 @@ def render_server_command(
     validate_features(recipe, target, has_module)
     inf = recipe.inference
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
+        *python_module_argv("vllm.entrypoints.openai.api_server", python),
         "--model", str(model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", host,
@@ -212,6 +214,9 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TMPDIR": str(cache / "tmp"),
         "VLLM_NO_USAGE_STATS": "1",  # no telemetry calls from compute nodes
+        # A SIGTERM during start-up can be swallowed by vLLM (see processes.py), leaving the server to wait
+        # this long for its engine: never longer than the recipe lets a server start.
+        "VLLM_ENGINE_READY_TIMEOUT_S": str(max(1, math.ceil(recipe.inference.startup_timeout_s))),
     }
     if target == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(recipe.inference.kv_cache_gib_cpu)))

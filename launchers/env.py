@@ -14,8 +14,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
+import time
 from pathlib import Path
+
+from rlctl.inference.processes import PRIVATE_UMASK, die_with_parent, exit_status, python_module_argv, stop_process_group
 
 # Rendezvous ports are derived from the job id so that all ranks agree without talking.
 PORT_BASE, PORT_SPAN = 20000, 20000
@@ -98,7 +100,17 @@ def slurm_task_env(group, run_dir: str, attempt: int, environ: dict | None = Non
 
 
 def component_command(module: str, run_dir: str) -> list[str]:
-    return [sys.executable, "-u", "-m", module, "--run-dir", str(run_dir)]
+    """argv of a component: nothing importable from the current directory (`-P`); launchers also run it
+    with the run dir as its current directory and a private umask (`component_popen_options`)."""
+    return [*python_module_argv(module, options=("-u",)), "--run-dir", str(run_dir)]
+
+
+def component_popen_options(run_dir: str) -> dict:
+    """How launchers start a component: in a session of its own (so it and everything it starts can be
+    stopped together, see rlctl.inference.processes), in the run dir, with files private to the owner,
+    and SIGTERM when the launcher dies."""
+    return {"cwd": str(run_dir), "umask": PRIVATE_UMASK, "start_new_session": True, "preexec_fn": die_with_parent,
+            "stdin": subprocess.DEVNULL}
 
 
 class ComponentTask:
@@ -118,20 +130,23 @@ class ComponentTask:
         env = slurm_task_env(self.group, self.run_dir, attempt)
         rank = int(env["RLCTL_RANK"])
         log = RunDir(Path(self.run_dir)).log_path(attempt, self.group.name, f"{self.group.name}.{rank}")
+        os.umask(PRIVATE_UMASK)  # the batch script sets it too; this task may run without it
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab", buffering=0) as out:
             child = subprocess.Popen(component_command(self.group.module, self.run_dir),
                                      env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     **component_popen_options(self.run_dir))
 
         # submitit ignores SIGTERM in the task (it waits for USR2); the component must see it.
         def forward(signum, _frame):
-            if child.poll() is None:
+            if exit_status(child) is None:
                 child.send_signal(signum)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, forward)
-        rc = child.wait()
+        while exit_status(child) is None:  # not wait(): the child's session is swept below, before reaping
+            time.sleep(0.5)
+        rc = stop_process_group(child, 0)  # what the component left running (e.g. its vLLM server) goes too
         if rc != 0:
             raise RuntimeError(f"{self.group.name} rank {rank} on {socket.gethostname()} exited with {rc}; log: {log}")
         return {"group": self.group.name, "rank": rank, "returncode": rc, "log": str(log)}

@@ -6,7 +6,10 @@ component's children — e.g. the router under the orchestrator — are stopped 
 `status/<group>.<group>.<rank>.json` and `status/supervisor.json` up to date, and applies the same
 teardown as the Slurm job: a failed task or a finished orchestrator gives the others
 `deployment.grace_period_s`, then everything left is terminated (TERM, then KILL). SIGTERM to the
-supervisor (`rlctl cancel`) stops everything; no process outlives it.
+supervisor (`rlctl cancel`) stops everything; no process outlives it. Tasks run in sessions of their
+own, so a task's servers and their children are stopped with it, even when the task died first
+(rlctl.inference.processes). Everything runs in the run dir, with nothing importable from the current
+directory (`python -P`) and files private to the owner (umask 077).
 """
 from __future__ import annotations
 
@@ -20,37 +23,49 @@ import sys
 import time
 from pathlib import Path
 
-from rlctl.inference.processes import die_with_parent
-from rlctl.launchers.env import component_command, component_env
+from rlctl.inference.processes import (PRIVATE_UMASK, exit_status, private_umask, python_module_argv,
+                                       stop_process_groups)
+from rlctl.launchers.env import component_command, component_env, component_popen_options
 from rlctl.launchers.groups import JobGroup
 from rlctl.orchestrator.exchange.layout import RunDir
-from rlctl.orchestrator.exchange.files import atomic_write_json
+from rlctl.orchestrator.exchange.files import FILE_MODE, atomic_write_json, private_dir
 
-KILL_AFTER_S = 10.0  # after TERM, seconds before KILL
+# After TERM, seconds before KILL. Longer than a component's own bound for its servers
+# (rlctl.inference.__main__.SERVER_STOP_S), so a component stops them before it is killed itself.
+KILL_AFTER_S = 15.0
 
 
 def status_dir(run: RunDir) -> Path:
     return run.status
 
 
+def open_log(path: Path) -> int:
+    """A log file for appending, owner-only whatever the caller's umask (a descriptor, for Popen)."""
+    private_dir(path.parent)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # an older log of a resumed run may predate the private modes
+    return fd
+
+
 def start_supervisor(run: RunDir, attempt: int, extra_env: dict | None = None) -> int:
     """`extra_env` reaches every task (the supervisor passes its environment on)."""
     log = run.attempt_logs(attempt) / "supervisor.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    status_dir(run).mkdir(exist_ok=True)
+    private_dir(status_dir(run))
     record = status_dir(run) / "supervisor.json"
     # Replace the previous attempt's record first: it says "exited", which would read as this run's end.
     atomic_write_json(record, {"pid": None, "state": "starting", "returncode": None, "attempt": attempt})
     started = time.time()
+    out = open_log(log)
     try:
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "rlctl.launchers.local", "--run-dir", str(run.root), "--attempt", str(attempt)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                close_fds=True, env={**os.environ, **(extra_env or {})})
+        proc = subprocess.Popen(
+            [*python_module_argv("rlctl.launchers.local"), "--run-dir", str(run.root), "--attempt", str(attempt)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            close_fds=True, env={**os.environ, **(extra_env or {})}, cwd=run.root, umask=PRIVATE_UMASK)
     except OSError:
         atomic_write_json(record, {"pid": None, "state": "exited", "returncode": 1, "attempt": attempt})
         raise
+    finally:
+        os.close(out)
     # The pid goes in now, not when the supervisor has imported (≈1 s later): until then a reader
     # would see a live-looking record without a process and call the run lost.
     atomic_write_json(record, {"pid": proc.pid, "state": "starting", "returncode": None, "attempt": attempt,
@@ -80,31 +95,27 @@ class Task:
                      "started": None, "ended": None}
 
     def start(self, run: RunDir) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
+        out = open_log(self.log)
+        try:
             self.proc = subprocess.Popen(component_command(self.group.module, str(run.root)),
                                          env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+                                         **component_popen_options(str(run.root)))
+        finally:
+            os.close(out)
         self.info.update(pid=self.proc.pid, state="running", started=time.time())
         atomic_write_json(self.status_path, self.info)
 
-    def poll(self) -> int | None:
-        if self.returncode is None and self.proc is not None:
-            rc = self.proc.poll()
-            if rc is not None:
-                self.returncode = rc
-                self.info.update(state="exited", returncode=rc, ended=time.time())
-                atomic_write_json(self.status_path, self.info)
-                self.kill_group(signal.SIGKILL)  # leftovers of an exited component
-        return self.returncode
+    def running(self) -> bool:
+        """Whether the task still runs; an exited task's leftovers are killed (its session, while its
+        pid is still reserved: the task is reaped only after that) and its end is recorded."""
+        if self.returncode is None and self.proc is not None and exit_status(self.proc) is not None:
+            self.ended(stop_process_groups([self.proc], 0)[0])
+        return self.proc is not None and self.returncode is None
 
-    def kill_group(self, sig: int) -> None:
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+    def ended(self, rc: int) -> None:
+        self.returncode = rc
+        self.info.update(state="exited", returncode=rc, ended=time.time())
+        atomic_write_json(self.status_path, self.info)
 
 
 class Supervisor:
@@ -130,17 +141,10 @@ class Supervisor:
         print(f"[rlctl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     def stop_all(self) -> None:
-        live = [t for t in self.tasks if t.poll() is None]
-        for t in live:
-            t.kill_group(signal.SIGTERM)
-        deadline = time.time() + KILL_AFTER_S
-        while time.time() < deadline and any(t.poll() is None for t in live):
-            time.sleep(0.1)
-        for t in self.tasks:
-            t.kill_group(signal.SIGKILL)
-            if t.proc is not None:
-                t.proc.wait()
-            t.poll()
+        """TERM every running task's session at once, KILL what is left after KILL_AFTER_S."""
+        live = [t for t in self.tasks if t.running()]
+        for t, rc in zip(live, stop_process_groups([t.proc for t in live], KILL_AFTER_S)):
+            t.ended(rc)
 
     def run_all(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -158,10 +162,10 @@ class Supervisor:
                 return 143
             running = 0
             for t in self.tasks:
-                rc = t.poll()
-                if rc is None:
+                if t.running():
                     running += 1
                     continue
+                rc = t.returncode
                 if id(t) in seen:
                     continue
                 seen.add(id(t))
@@ -178,7 +182,7 @@ class Supervisor:
                 self.stop_all()
                 break
             time.sleep(0.2)
-        self.stop_all()  # also reaps process groups of tasks that exited on their own
+        self.stop_all()
         self.log(f"done with code {rc_final}")
         self._write("exited", rc_final)
         return rc_final
@@ -189,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--attempt", type=int, default=0)
     args = parser.parse_args(argv)
+    private_umask()
     sup = Supervisor(RunDir(Path(args.run_dir)), args.attempt)
     try:
         return sup.run_all()

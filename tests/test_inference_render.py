@@ -38,7 +38,7 @@ def flag(cmd: list[str], name: str) -> str:
 
 def test_cpu_command_has_model_host_port_and_reload_extension():
     cmd = render(recipe(), CPU, "cpu")
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[1:4] == ["-P", "-m", "vllm.entrypoints.openai.api_server"]  # never imports from the cwd
     assert flag(cmd, "--model") == "/models/m"
     assert flag(cmd, "--host") == "10.0.0.5" and flag(cmd, "--port") == "8123"
     assert flag(cmd, "--max-model-len") == "64"
@@ -146,7 +146,7 @@ def test_cpu_rejects_head_dims_its_attention_kernels_lack(tmp_path):
 
 def test_router_command_has_workers_policy_key_checks_and_own_prometheus_port():
     cmd = render_router_command(["http://a:1", "http://b:2"], "round_robin", 9000, 9001, python="python")
-    assert cmd[:3] == ["python", "-m", "rlctl.inference.router"]
+    assert cmd[:4] == ["python", "-P", "-m", "rlctl.inference.router"]
     assert cmd[cmd.index("--worker-urls") + 1: cmd.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
     assert [cmd[i + 1] for i, part in enumerate(cmd) if part == "--key-check-url"] == [
         "http://a:1/v1/models", "http://b:2/v1/models"]

@@ -144,3 +144,35 @@ def test_slurm_task_env_uses_its_own_group_nodelist_and_the_looked_up_addresses(
     assert (env["MASTER_ADDR"], env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
         "10.1.0.2", "9", "1", "16", "8")
     assert env["MASTER_PORT"] == str(master_port_for("77")) and env["RLCTL_ATTEMPT"] == "2"
+
+
+@pytest.mark.parametrize("field,value", [("job_name", "rlctl-a\nscancel -u $USER"), ("partition", "gpu\nrm -rf ~"),
+                                         ("env", {"RLCTL_RUN_DIR": "/runs/a\rb"}), ("qos", "high\x1b[2J")])
+def test_control_characters_never_reach_the_batch_script(field, value):
+    from rlctl.recipes.errors import RecipeError
+
+    groups, kwargs = [ORCH, INF, TR], {}
+    if field in ("partition", "qos"):
+        groups = [ORCH, JobGroup(**{**INF.to_dict(), field: value}), TR]
+    else:
+        kwargs[field] = value
+    with pytest.raises(RecipeError) as e:
+        render_het_script(groups, Path("/runs/r/submitit/attempt_0"), "/usr/bin/python3",
+                          **{"job_name": "rlctl-r", "batch_log": Path("/runs/r/logs/attempt_0/slurm-%j.out"),
+                             "grace_period_s": 1, **kwargs})
+    assert "\n" not in str(e.value) and "control character" in str(e.value)
+    assert {"job_name": "name", "partition": "deployment.inference.partition", "env": "env RLCTL_RUN_DIR",
+            "qos": "deployment.inference.qos"}[field] in str(e.value)
+
+
+def test_percent_in_paths_is_escaped_for_slurm_and_the_job_runs_in_the_run_dir():
+    text = render_het_script([ORCH, INF, TR], Path("/runs/50%-off/submitit/attempt_0"), "/usr/bin/python3",
+                             job_name="rlctl-50%-off", batch_log=Path("/runs/50%-off/logs/attempt_0/slurm-%j.out"),
+                             grace_period_s=1, env={"RLCTL_RUN_DIR": "/runs/50%-off"})
+    assert "#SBATCH --output=/runs/50%%-off/logs/attempt_0/slurm-%j.out" in text  # the file name stays a pattern
+    sruns = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+    assert all("--output=/runs/50%%-off/submitit/attempt_0/" in ln and '"${SLURM_JOB_ID}"_%t_log.out' in ln
+               for ln in sruns)
+    assert all(" -P -u -m submitit.core._submit /runs/50%-off/submitit/attempt_0/" in ln for ln in sruns)
+    assert "#SBATCH --chdir=/runs/50%-off" in text.split("#SBATCH hetjob")[0]
+    assert "umask 077" in text
