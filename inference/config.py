@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import field_validator
 
-from rlctl.recipes.base import Degree, StrictModel, positive_degree
+from rlctl.recipes.base import Degree, Seconds, StrictModel, positive_degree
 
 
 class DisaggregationConfig(StrictModel):
@@ -58,7 +58,7 @@ class InferenceConfig(StrictModel):
     """On CPU: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile (faster start-up, slower decode)."""
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: Seconds = 900.0
     """Seconds a server may take to become healthy before the run fails with its log tail."""
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     """Prefill/decode disaggregation."""
@@ -75,13 +75,6 @@ class InferenceConfig(StrictModel):
     def _len(cls, v: int) -> int:
         if v < 16:
             raise ValueError("max_model_len must be >= 16")
-        return v
-
-    @field_validator("startup_timeout_s")
-    @classmethod
-    def _timeout(cls, v: float) -> float:
-        if v <= 0:
-            raise ValueError("startup_timeout_s must be > 0")
         return v
 
     @field_validator("gpu_memory_utilization")

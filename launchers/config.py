@@ -1,11 +1,11 @@
 """The `[cluster]`, `[deployment]`, `[checkpoint]` and `[monitoring]` sections: where and how a run is placed."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import field_validator
 
-from rlctl.recipes.base import StrictModel
+from rlctl.recipes.base import Delay, Seconds, StrictModel
 
 
 class ClusterConfig(StrictModel):
@@ -42,13 +42,13 @@ GROUP_NAMES = ("orchestrator", "inference", "trainer")
 class SmokeConfig(StrictModel):
     """Behaviour of the trivial `rlctl.launchers.smoke` entry points (launcher tests and fault drills)."""
 
-    run_s: float = 1.0
+    run_s: Delay = 1.0
     """Seconds the smoke orchestrator holds after seeing every service, before it writes DONE."""
     fail_group: str | None = None
     """Group whose rank `fail_rank` exits with `exit_code` after `fail_after_s` (None: nobody fails)."""
     fail_rank: int = 0
     """Rank (within `fail_group`) that fails."""
-    fail_after_s: float = 0.0
+    fail_after_s: Delay = 0.0
     """Seconds before the failing rank exits."""
     exit_code: int = 3
     """Exit code of the failing rank."""
@@ -56,7 +56,7 @@ class SmokeConfig(StrictModel):
     """With steps > 0 the smoke trainer (rank 0) counts `steps` training steps of `step_s` seconds with
     checkpoints every `checkpoint.interval`, resumes from RLCTL_RESUME_STEP, checkpoints and stops on
     `<run>/PREEMPT`, and writes DONE after the last step (fault drills of checkpoint/requeue)."""
-    step_s: float = 0.5
+    step_s: Delay = 0.5
     """Seconds per smoke training step."""
 
     @field_validator("fail_group")
@@ -86,6 +86,8 @@ class DeploymentConfig(StrictModel):
     """Automatic requeues after preemption, timeout or node failure (Slurm); each resumes from the newest complete checkpoint."""
     preempt_signal_s: int = 300
     """Seconds before the time limit Slurm sends USR2 to the batch script (trainer checkpoints, job requeues); must exceed a trainer step + checkpoint."""
+    preempt_timeout_s: Seconds = 240.0
+    """After a preemption (USR2, or Slurm's SIGTERM), seconds the batch script waits for the trainer to save its checkpoint and exit before it kills it; keep it below `preempt_signal_s` (and, for SIGTERM, below the cluster's KillWait/GraceTime)."""
     output_dir: str | None = None
     """Root of run directories (default: the profile's shared filesystem path, else ./runs)."""
     trainer: GroupResources = GroupResources()
@@ -147,7 +149,7 @@ class MonitoringConfig(StrictModel):
     """Log level of every component."""
     metrics_interval: int = 1
     """Write a metrics.jsonl record every N steps."""
-    stall_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1800.0
+    stall_timeout_s: Seconds = 1800.0
     """Seconds a component (trainer, orchestrator, an inference server) may go without progress
     before `rlctl monitor` marks it `stalled` and `monitor --wait` / `launch --wait` exit 1 naming it.
     Waiting on another component does not count (the trainer waiting for rollouts is not stalled);

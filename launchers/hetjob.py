@@ -10,6 +10,7 @@ whole allocation. Per-group submitit folders are needed because every component 
 """
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -24,6 +25,9 @@ from rlctl.recipes.errors import RecipeError
 # Job state is read in one place; component_states & co. stay importable from here.
 from rlctl.launchers.slurm_state import (ACTIVE_STATES, STATES, component_states, job_finished,  # noqa: F401
                                          parse_component_rows)
+
+DEFAULT_PREEMPT_TIMEOUT_S = 240.0  # deployment.preempt_timeout_s's default
+RUN_FINISHED_EXIT = 3  # `python -m rlctl.launchers.resume --requeued` on a run that has DONE: do not start
 
 # Slurm states after which a job or component will not run again (PREEMPTED included: see slurm_state).
 FAILED_STATES = tuple(raw for raw, ours in STATES.items() if ours in ("failed", "cancelled"))
@@ -148,7 +152,7 @@ def srun_line(group: JobGroup, folder: Path, python: str) -> str:
 
 SUPERVISOR = r"""
 log() { echo "[rlctl $(date +%H:%M:%S)] $*"; }
-rc_final=0; deadline=0; stopping=0; declare -A ended=()
+rc_final=0; deadline=0; stopping=0; preempting=0; requeueing=0; sleeper=""; term_cause=""; declare -A ended=()
 stop_running() {
   stopping=1
   local i
@@ -161,26 +165,82 @@ stop_running() {
   done
   for i in "${!pids[@]}"; do kill -KILL "${pids[$i]}" 2>/dev/null; done
 }
-trap 'log "job signalled: stopping every group"; stop_running; exit 143' TERM INT
-preempt() {  # USR2 before the time limit / on preemption: trainer checkpoints, then requeue
-  log "preemption/timeout signal (USR2)"
-  if (( RESTARTS >= MAX_RESTARTS )); then
-    log "no automatic restart left (${RESTARTS}/${MAX_RESTARTS}, deployment.max_restarts): stopping"
-    stop_running; exit 143
-  fi
-  echo "{\"time\": $(date +%s), \"job\": \"${SLURM_JOB_ID}\"}" > "$RLCTL_RUN_DIR/.PREEMPT.tmp"
+term_cause_now() {  # why Slurm sent TERM, from the job's record (slurmctld updates it before signalling):
+  # requeue = Slurm requeues the job itself (a preemption with PreemptMode=REQUEUE, `scontrol requeue`:
+  # its restart count went up); preempt = preempted, not requeued (PreemptMode=CANCEL: PreemptTime set,
+  # accounting state PREEMPTED); stop = scancel (CANCELLED), the time limit, anything else
+  local info restarts preempt_time
+  info="$(timeout 20 scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | head -n 1 | tr ' ' '\n')"
+  restarts="$(sed -n 's/^Restarts=//p' <<<"$info")"
+  preempt_time="$(sed -n 's/^PreemptTime=//p' <<<"$info")"
+  if [[ $restarts =~ ^[0-9]+$ ]] && (( restarts > RESTARTS )); then echo requeue
+  elif [[ -n $preempt_time && $preempt_time != None ]]; then echo preempt
+  elif timeout 20 sacct -n -X -P -j "$SLURM_JOB_ID" -o State 2>/dev/null | grep -q '^PREEMPTED'; then echo preempt
+  else echo stop; fi
+}
+checkpoint_trainer() {  # PREEMPT: the trainer saves the current step and exits; killed after PREEMPT_TIMEOUT
+  echo "{\"time\": $(date +%s), \"job\": \"${SLURM_JOB_ID}\", \"cause\": \"$1\"}" > "$RLCTL_RUN_DIR/.PREEMPT.tmp"
   mv -f "$RLCTL_RUN_DIR/.PREEMPT.tmp" "$RLCTL_RUN_DIR/PREEMPT"
-  local i
+  local i until=$((SECONDS + PREEMPT_TIMEOUT))
   for i in "${!pids[@]}"; do
     [[ ${names[$i]} == trainer ]] || continue
-    log "waiting for the trainer to checkpoint the current step"
-    while kill -0 "${pids[$i]}" 2>/dev/null; do sleep 1; done
+    log "waiting up to ${PREEMPT_TIMEOUT}s for the trainer to checkpoint the current step"
+    while kill -0 "${pids[$i]}" 2>/dev/null; do
+      if (( SECONDS >= until )); then
+        log "the trainer did not stop within ${PREEMPT_TIMEOUT}s (deployment.preempt_timeout_s): killing it"
+        kill -KILL "${pids[$i]}" 2>/dev/null
+        break
+      fi
+      sleep 1
+    done
   done
-  log "requeueing job ${SLURM_JOB_ID} (restart $((RESTARTS + 1))/${MAX_RESTARTS})"
-  scontrol requeue "$SLURM_JOB_ID" || { log "scontrol requeue failed"; stop_running; exit 1; }
-  sleep 60 & wait $!  # Slurm ends this allocation now (TERM runs the trap above)
 }
-trap preempt USR2
+preempt() {  # $1: usr2 (--signal before the time limit, or send_user_signal), requeue or preempt (TERM)
+  if (( preempting )); then return 0; fi
+  preempting=1
+  if [[ -e $RLCTL_RUN_DIR/DONE ]]; then  # a finished run is never requeued (nor rewound)
+    log "preemption ($1) after the run finished (DONE): no checkpoint, no requeue"
+    preempting=0
+    [[ $1 == usr2 ]] && return 0
+    stop_running; exit "$rc_final"
+  fi
+  if (( RESTARTS >= MAX_RESTARTS )); then
+    log "preemption ($1), no automatic restart left (${RESTARTS}/${MAX_RESTARTS}, deployment.max_restarts):" \
+        "checkpointing, then stopping; continue with \`rlctl resume\`"
+    checkpoint_trainer "$1"; stop_running; exit 143
+  fi
+  log "preemption ($1): checkpoint, then requeue"
+  checkpoint_trainer "$1"
+  case "$1/$term_cause" in
+    */stop) log "cancelled during the checkpoint: no requeue"; stop_running; exit 143 ;;
+    requeue/*|*/requeue) log "Slurm requeues job ${SLURM_JOB_ID} (restart $((RESTARTS + 1))/${MAX_RESTARTS})"
+                         stop_running; exit 143 ;;
+  esac
+  log "requeueing job ${SLURM_JOB_ID} (restart $((RESTARTS + 1))/${MAX_RESTARTS})"
+  requeueing=1
+  scontrol requeue "$SLURM_JOB_ID" || { log "scontrol requeue failed"; stop_running; exit 1; }
+  sleep 60 & sleeper=$!
+  wait $sleeper  # Slurm ends this allocation now (TERM runs on_term)
+}
+on_term() {
+  if (( requeueing )); then
+    log "job signalled after the requeue: stopping every group"
+    kill "$sleeper" 2>/dev/null; stop_running; exit 143
+  fi
+  term_cause="$(term_cause_now)"
+  if (( preempting )); then  # TERM while the trainer checkpoints: finish it, decide afterwards
+    log "job signalled (TERM: ${term_cause}) during the preemption checkpoint"
+    return 0
+  fi
+  case $term_cause in
+    requeue|preempt) log "job signalled (TERM): Slurm preempts it (${term_cause})"; preempt "$term_cause" ;;
+    *) log "job signalled (TERM, not a preemption: scancel or time limit): stopping every group"
+       stop_running; exit 143 ;;
+  esac
+}
+trap on_term TERM
+trap 'log "job interrupted: stopping every group"; stop_running; exit 130' INT
+trap 'preempt usr2' USR2
 while :; do
   running=0
   for i in "${!pids[@]}"; do
@@ -217,7 +277,12 @@ if (( RESTARTS > 0 )); then
     exit 1
   fi
   export RLCTL_ATTEMPT=$(( RLCTL_ATTEMPT + RESTARTS ))
-  RLCTL_RESUME_STEP="$(PYTHON -m rlctl.launchers.resume --run-dir "$RLCTL_RUN_DIR" --requeued "$RLCTL_ATTEMPT")" || exit 1
+  RLCTL_RESUME_STEP="$(PYTHON -m rlctl.launchers.resume --run-dir "$RLCTL_RUN_DIR" --requeued "$RLCTL_ATTEMPT")"
+  case $? in
+    0) ;;
+    FINISHED) echo "[rlctl] requeued after the run finished (DONE): nothing to resume"; exit 0 ;;
+    *) exit 1 ;;
+  esac
   export RLCTL_RESUME_STEP
   echo "[rlctl] restart ${RESTARTS}/${MAX_RESTARTS}: attempt ${RLCTL_ATTEMPT}, resume step '${RLCTL_RESUME_STEP}'"
 fi
@@ -228,7 +293,8 @@ def render_het_script(groups: list[JobGroup], folder: Path, python: str, *, job_
                       batch_log: Path, grace_period_s: int, env: dict[str, str] | None = None,
                       requeue: dict | None = None) -> str:
     """The complete sbatch script of a het job running `groups`. `requeue` = {"max_restarts",
-    "signal_s"}: USR2 that long before the time limit makes the trainer checkpoint and the job requeue."""
+    "signal_s", "timeout_s"}: USR2 that long before the time limit (or Slurm's SIGTERM of a preemption)
+    makes the trainer checkpoint within `timeout_s` and the job requeue."""
     requeue = requeue or {"max_restarts": 0, "signal_s": 0}
     env = {key: script_value(value, f"env {key}") for key, value in (env or {}).items()}
     for key in env:
@@ -260,7 +326,9 @@ def render_het_script(groups: list[JobGroup], folder: Path, python: str, *, job_
         lines.append(f'RLCTL_NODE_ADDRS_{k}="$(scontrol show node -o "$SLURM_JOB_NODELIST_HET_GROUP_{k}" | '
                      "tr ' ' '\\n' | awk -F= '$1==\"NodeName\"{n=$2} $1==\"NodeAddr\"{print n\"=\"$2}' | "
                      f'paste -sd, -)"; export RLCTL_NODE_ADDRS_{k}')
-    lines += [f"MAX_RESTARTS={int(requeue['max_restarts'])}", REQUEUED.replace("PYTHON", python_no_cwd(python)).strip()]
+    lines += [f"MAX_RESTARTS={int(requeue['max_restarts'])}",
+              f"PREEMPT_TIMEOUT={max(1, math.ceil(requeue.get('timeout_s', DEFAULT_PREEMPT_TIMEOUT_S)))}",
+              REQUEUED.replace("PYTHON", python_no_cwd(python)).replace("FINISHED", str(RUN_FINISHED_EXIT)).strip()]
     lines += [f"GRACE={int(grace_period_s)}", "pids=(); names=()"]
     for group in groups:
         lines.append(srun_line(group, folder, python))
@@ -338,3 +406,4 @@ class HetSlurmExecutor(SlurmExecutor):
             HetJob(folder=Path(self.folder) / name, job_id=job.job_id).paths.move_temporary_file(
                 pickle_path, "submitted_pickle")
         return job
+

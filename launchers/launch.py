@@ -178,7 +178,8 @@ def _het_script_options(run: RunDir, name: str, attempt: int, recipe, extra_env:
     return {"job_name": f"rlctl-{name}", "batch_log": run.attempt_logs(attempt) / "slurm-%j.out",
             "grace_period_s": dep.grace_period_s,
             "env": {"RLCTL_RUN_DIR": str(run.root), "RLCTL_ATTEMPT": str(attempt), **(extra_env or {})},
-            "requeue": {"max_restarts": dep.max_restarts, "signal_s": dep.preempt_signal_s}}
+            "requeue": {"max_restarts": dep.max_restarts, "signal_s": dep.preempt_signal_s,
+                        "timeout_s": dep.preempt_timeout_s}}
 
 
 class RunExists(RecipeError):

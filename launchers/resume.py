@@ -207,13 +207,20 @@ def resume(run: RunDir, step: int | None = None, source: Path | None = None, *, 
     return result, plan
 
 
+class RunFinished(RuntimeError):
+    """A requeued job of a run that has DONE (a late preemption or requeue): nothing to resume."""
+
+
 def prepare_requeued(run: RunDir, attempt: int) -> Rewind:
     """In a requeued Slurm job's batch script: rewind to the newest complete checkpoint and record
-    the attempt in run.json (the job id stays the same), under the run's lock."""
+    the attempt in run.json (the job id stays the same), under the run's lock. A finished run is left
+    as it is (RunFinished): the rewind would delete its DONE and train again."""
     from rlctl.launchers.launch import _link_latest_logs, run_lock
 
     job = os.environ.get("SLURM_JOB_ID", "?")
     with run_lock(run, f"requeue of Slurm job {job} as attempt {attempt}", wait_s=REQUEUE_LOCK_WAIT_S):
+        if run.done.exists():
+            raise RunFinished(f"run {run.root.name} already finished ({run.done.name} exists): not resuming")
         plan = rewind(run)
         manifest = run.read_manifest()
         manifest["attempt"] = attempt
@@ -235,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     except RunLocked as e:
         print(f"[rlctl] not resuming: {e}", file=sys.stderr, flush=True)
         return 1
+    except RunFinished as e:
+        from rlctl.launchers.hetjob import RUN_FINISHED_EXIT
+
+        print(f"[rlctl] {e}", file=sys.stderr, flush=True)
+        return RUN_FINISHED_EXIT
     print(f"[rlctl] {plan.describe()}", file=sys.stderr, flush=True)
     print(plan.step if plan.from_checkpoint else "")
     return 0

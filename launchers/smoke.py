@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -115,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_TERMINATED = False
+
+
+def _on_term(_signum, _frame) -> None:
+    global _TERMINATED
+    _TERMINATED = True
+
+
 def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: float) -> int:
     """A step counter with the real checkpoint protocol (parts + markers, PREEMPT, resume step)."""
     from rlctl.orchestrator.exchange.checkpoints import TRAINER, is_complete, write_part
@@ -123,6 +132,10 @@ def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: fl
     from rlctl.orchestrator.exchange.retention import prune_checkpoints, sweep_trainer_staging
 
     preempt, done = run.preempt, run.done
+    # Like the real trainer: SIGTERM (Slurm's preemption, scancel) means checkpoint at the next step
+    # boundary, then exit 128+15. Other ranks outlive the TERM until rank 0 has saved (srun's
+    # --kill-on-bad-exit ends them once rank 0 exits non-zero).
+    signal.signal(signal.SIGTERM, _on_term)
     if rank != 0:
         while not (done.exists() or preempt.exists()):
             time.sleep(0.2)
@@ -152,10 +165,11 @@ def _smoke_training(run: RunDir, recipe: dict, rank: int, steps: int, step_s: fl
         if not _wait_served(run, step - off_policy, timeout_s):
             print(f"smoke trainer: version {step - off_policy} not served within {timeout_s:.0f}s", flush=True)
             return 1
-        if preempt.exists():
+        if preempt.exists() or _TERMINATED:
             save(step)
-            print(f"smoke trainer: preempted, checkpoint step_{step} saved", flush=True)
-            return 0
+            cause = "SIGTERM" if _TERMINATED else "PREEMPT"
+            print(f"smoke trainer: preempted, checkpoint step_{step} saved ({cause})", flush=True)
+            return 128 + signal.SIGTERM if _TERMINATED else 0
         time.sleep(step_s)
         append_record(run, "trainer", SmokeStepRecord(step=step, reward_mean=round(step / steps, 6), attempt=attempt))
         heartbeat.beat(step + 1)
@@ -192,7 +206,7 @@ def _wait_served(run: RunDir, version: int, timeout_s: float) -> bool:
     from rlctl.orchestrator.exchange.retention import served_floor
 
     deadline = time.monotonic() + timeout_s
-    while version > 0 and not (run.preempt.exists() or run.done.exists()):
+    while version > 0 and not (run.preempt.exists() or run.done.exists() or _TERMINATED):
         served = served_floor(run)
         if served is not None and served >= version:
             break

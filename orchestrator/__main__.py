@@ -33,8 +33,6 @@ from rlctl.orchestrator.exchange.steps import complete_steps
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.load import validate
 
-WAIT_SERVERS_S = float(os.environ.get("RLCTL_WAIT_SERVERS_S", "900"))
-WAIT_FINAL_WEIGHTS_S = float(os.environ.get("RLCTL_WAIT_FINAL_WEIGHTS_S", "900"))
 WORKER_CHECK_S = float(os.environ.get("RLCTL_WORKER_CHECK_S", "2"))
 WORKER_CHECK_FAILURES = 5  # consecutive unanswered checks before the router counts as gone
 
@@ -89,7 +87,7 @@ def wait_for_servers(run: RunDir, count: int, attempt: int, timeout_s: float) ->
                                     + _log_tails(run, attempt))
         if time.monotonic() > deadline:
             raise OrchestratorError(f"only {len(found)}/{count} inference servers announced within "
-                                    f"{timeout_s:.0f} s\n" + _log_tails(run, attempt))
+                                    f"{timeout_s:g} s (inference.startup_timeout_s)\n" + _log_tails(run, attempt))
         time.sleep(0.5)
 
 
@@ -166,13 +164,14 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
             await _until_first(loop.run(), watch_task, guard_task)
             loop = None  # from here on the beats say: waiting for the trainer's final weights
         log(f"all {end_step} batches written; waiting for the trainer's final weights step_{end_step}")
-        deadline = time.monotonic() + WAIT_FINAL_WEIGHTS_S
+        deadline = time.monotonic() + cfg.final_weights_timeout_s
         while policy.version < end_step:
             for task in (watch_task, guard_task):
                 if task.done():
                     task.result()
             if time.monotonic() > deadline:
-                raise OrchestratorError(f"trainer did not publish weights/step_{end_step} within {WAIT_FINAL_WEIGHTS_S:.0f} s")
+                raise OrchestratorError(f"trainer did not publish weights/step_{end_step} within "
+                                         f"{cfg.final_weights_timeout_s:g} s (orchestrator.final_weights_timeout_s)")
             await asyncio.sleep(0.1)
         await monitor.finish(end_step - 1)
     finally:
@@ -251,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             admin_token, api_key = run.admin_token(), run.api_key()
         except FileNotFoundError as exc:
             raise OrchestratorError(str(exc)) from None
-        urls = wait_for_servers(run, placement.inference_servers, attempt, WAIT_SERVERS_S)
+        urls = wait_for_servers(run, placement.inference_servers, attempt, recipe.inference.startup_timeout_s)
         log_path = run.log_path(attempt, "orchestrator", "router")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         try:

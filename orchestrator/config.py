@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from rlctl.recipes.base import StrictModel
+from rlctl.recipes.base import Seconds, StrictModel
 
 
 class EnvironmentConfig(StrictModel):
@@ -42,6 +42,10 @@ class OrchestratorConfig(StrictModel):
     """Training steps to run."""
     seed: int = 0
     """Seed for prompt sampling and model initialisation."""
+    request_timeout_s: Seconds = 3600.0
+    """Seconds one generation request may take before it is retried (then the run fails)."""
+    final_weights_timeout_s: Seconds = 900.0
+    """After the last batch, seconds the orchestrator waits for the trainer's final weights."""
 
     @field_validator("rollouts_per_step", "group_size", "max_tokens", "max_steps")
     @classmethod

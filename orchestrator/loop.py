@@ -76,7 +76,8 @@ class LoopSettings:
     @classmethod
     def from_config(cls, cfg, start_step: int = 0) -> "LoopSettings":
         return cls(cfg.rollouts_per_step, cfg.group_size, cfg.max_tokens, cfg.max_off_policy_steps, cfg.max_in_flight,
-                   cfg.temperature, start_step, cfg.max_steps, cfg.normalize_advantages)
+                   cfg.temperature, start_step, cfg.max_steps, cfg.normalize_advantages,
+                   request_timeout_s=cfg.request_timeout_s)
 
     @property
     def groups_per_step(self) -> int:

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from rlctl.cli.main import app
-from rlctl.launchers.cluster import ClusterProfile
+from rlctl.recipes.clusters import ClusterProfile
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.load import load_recipe, validate
 from rlctl.recipes.plan import plan
@@ -79,3 +79,42 @@ def test_property_no_uncaught_exception(model, fsdp, ep, cp, tp, itp, tn, inn, n
 
 def test_valid_recipe_loads():
     assert load_recipe(["glm5-swe"]).trainer.ep == 8
+
+
+# Every timeout of the schema bounds a wait: nan spun a core (batch_timeout_s=nan), inf and negatives
+# were accepted. The sweep finds them by name so a new `*_timeout_s` key cannot escape the rule.
+def _timeout_keys(model, prefix: str = "") -> list[str]:
+    from pydantic import BaseModel
+
+    keys = []
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            keys += _timeout_keys(kind, f"{prefix}{name}.")
+        elif name.endswith("timeout_s"):
+            keys.append(prefix + name)
+    return keys
+
+
+def test_the_sweep_sees_every_timeout():
+    from rlctl.recipes.schema import Recipe
+
+    assert {"inference.startup_timeout_s", "trainer.batch_timeout_s", "deployment.preempt_timeout_s",
+            "orchestrator.request_timeout_s", "orchestrator.final_weights_timeout_s",
+            "monitoring.stall_timeout_s"} <= set(_timeout_keys(Recipe))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "0"])
+@pytest.mark.parametrize("key", sorted(set(_timeout_keys(__import__("rlctl.recipes.schema").recipes.schema.Recipe))))
+def test_timeouts_are_finite_and_positive(key, value):
+    r = runner.invoke(app, ["plan", "glm5-swe", "-o", f"{key}={value}"])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and f"{key}:" in lines[0] and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("key", ["deployment.smoke.step_s", "deployment.smoke.run_s", "deployment.smoke.fail_after_s"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_smoke_delays_are_finite_and_not_negative(key, value):
+    r = runner.invoke(app, ["plan", "glm5-swe", "-o", f"{key}={value}"])
+    assert r.exit_code == 2 and f"{key}:" in r.output and len(r.output.strip().splitlines()) == 1, r.output

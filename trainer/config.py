@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import field_validator
 
-from rlctl.recipes.base import Degree, StrictModel, positive_degree
+from rlctl.recipes.base import Degree, Seconds, StrictModel, positive_degree
 
 
 class OptimizerConfig(StrictModel):
@@ -66,7 +66,7 @@ class TrainerConfig(StrictModel):
     """Optimizer settings."""
     loss: LossConfig = LossConfig()
     """Loss settings."""
-    batch_timeout_s: float = 3600.0
+    batch_timeout_s: Seconds = 3600.0
     """Seconds the trainer waits for the orchestrator's next rollout batch before failing."""
 
     @field_validator("fsdp", "ep", "cp", "tp")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -27,10 +28,25 @@ from rlctl.recipes.load import validate
 from rlctl.trainer.checkpoint import CheckpointWriteError
 
 PREEMPTED = object()
+TERMINATED_EXIT = 128 + signal.SIGTERM
+
+
+class TermFlag:
+    """SIGTERM asks the trainer to stop: Slurm sends it to every task on preemption (then SIGKILL after
+    KillWait/GraceTime), on `scancel` and at the time limit; the local launcher on cancel. The trainer
+    finishes the step it is in, saves a checkpoint at the next step boundary like on PREEMPT, and exits
+    128+15 (whether the job requeues is the batch script's decision, not the trainer's)."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, _signum, _frame) -> None:
+        self.raised = True
 
 
 class Trainer:
-    def __init__(self, run: RunDir, recipe, resume: str | None = None):
+    def __init__(self, run: RunDir, recipe, resume: str | None = None, term: TermFlag | None = None):
         import torch
 
         from rlctl.trainer.checkpoint import load_checkpoint, require_complete, resolve_resume_step
@@ -40,6 +56,7 @@ class Trainer:
         from rlctl.trainer.weights import load_config
 
         self.run, self.recipe, self.cfg = run, recipe, recipe.trainer
+        self.term = term or TermFlag()
         self.loss_fn = load_loss(self.cfg.loss.path)
         resume_step = resolve_resume_step(run.checkpoints, resume)
         if resume_step is not None:
@@ -212,15 +229,18 @@ class Trainer:
         self.log(f"finished: trained steps {self.start_step}..{self.max_steps - 1}")
         return 0
 
-    # ---- preemption: `<run>/PREEMPT` (written by the Slurm batch script on USR2) ----------------
+    # ---- preemption: `<run>/PREEMPT` (written by the Slurm batch script on USR2 or a preemption's
+    # SIGTERM) or SIGTERM to this process ---------------------------------------------------------
+    def _stop_requested(self) -> bool:
+        return self.term.raised or self.run.preempt.exists()
+
     def _wait_batch_or_preempt(self, step: int, done: Path):
         """The batch folder of `step`, None on DONE, or PREEMPTED when a preemption was requested."""
         from rlctl.orchestrator.exchange.batches_fs import wait_for_batch
 
         deadline = time.monotonic() + self.cfg.batch_timeout_s
-        preempt = self.run.preempt
         while True:
-            if preempt.exists():
+            if self._stop_requested():
                 return PREEMPTED
             self._beat(step, waiting_for=f"rollouts/{step_dir_name(step)}")
             try:
@@ -239,19 +259,27 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if mine or self.run.preempt.exists() else 0.0], device=self.device)
+        flag = torch.tensor([1.0 if mine or self._stop_requested() else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def _checkpoint_and_stop(self, step: int) -> int:
-        """Preempted before training batch `step`: save the state after `step` trained steps, exit 0."""
+        """Preempted before training batch `step`: save the state after `step` trained steps; exit 0
+        (PREEMPT) or 128+15 (SIGTERM: the task was told to end; its group must not look finished)."""
+        import torch
+        import torch.distributed as dist
+
         from rlctl.trainer.checkpoint import save_checkpoint
 
         t0 = time.perf_counter()
         save_checkpoint(self.run.checkpoints, step, self.model, self.optimizer, self.scheduler, self.rank,
                         self.recipe.checkpoint.keep_last)
-        self.log(f"preemption requested: checkpoint step_{step} saved in {time.perf_counter() - t0:.3f}s; stopping")
-        return 0
+        cause = "SIGTERM" if self.term.raised else "PREEMPT"
+        self.log(f"preemption requested ({cause}): checkpoint step_{step} saved in "
+                 f"{time.perf_counter() - t0:.3f}s; stopping")
+        termed = torch.tensor([1.0 if self.term.raised else 0.0], device=self.device)
+        dist.all_reduce(termed, op=dist.ReduceOp.MAX)  # every rank exits with the same code
+        return TERMINATED_EXIT if termed.item() else 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -273,7 +301,8 @@ def main(argv=None) -> int:
         run = RunDir(Path(args.run_dir))
         if not run.recipe_json.is_file():
             raise RecipeError(f"{run.recipe_json} does not exist (not a run directory?)", "run dir")
-        code = Trainer(run, validate(run.recipe_data()), args.resume_step).fit()
+        term = TermFlag()  # from the start: a TERM during the set-up must not kill the task mid-write
+        code = Trainer(run, validate(run.recipe_data()), args.resume_step, term).fit()
     except RecipeError as exc:
         print(f"trainer rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         code = RecipeError.exit_code
