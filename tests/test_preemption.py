@@ -186,3 +186,115 @@ def test_orchestrator_waits_for_servers_as_long_as_the_recipe_says(tmp_path):
     assert out.returncode == 1, out.stderr
     assert "0/1 inference servers announced within 1 s (inference.startup_timeout_s)" in out.stderr, out.stderr
     assert time.monotonic() - t0 < 60  # the old fixed wait was 900 s
+
+
+# --------------------------------------------------------------------- on the virtual Slurm cluster
+
+def _launch(tmp_path: Path, jobs: list, name: str, *overrides: str) -> tuple[Path, str]:
+    from test_faults_slurm import RLCTL, SMOKE, STEPS
+
+    out = subprocess.run(
+        [*RLCTL, "launch", SMOKE, "--cluster", "vslurm", "--name", name, "--json",
+         "-o", f"deployment.output_dir={tmp_path}", "-o", "deployment.trainer_nodes=1",
+         "-o", f"deployment.smoke.steps={STEPS}", "-o", "deployment.smoke.step_s=0.4",
+         "-o", "checkpoint.interval=3", "-o", "deployment.max_restarts=2", "-o", "deployment.grace_period_s=5",
+         *[a for o in overrides for a in ("-o", o)]],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    jobs.append(info["job_id"])
+    return Path(info["run_dir"]), info["job_id"]
+
+
+def _batch_log(run: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run / "logs").glob("attempt_*/slurm-*.out")))
+
+
+def _accounting(job: str) -> str:
+    return subprocess.run(["sacct", "-j", job, "-X", "-D", "-n", "-P", "-o", "JobID,State"],
+                          capture_output=True, text=True).stdout
+
+
+def _checkpointed_step(run: Path, attempt: int = 0) -> tuple[int, str]:
+    log = (run / "logs" / f"attempt_{attempt}" / "trainer" / "trainer.0.log").read_text()
+    assert "preempted, checkpoint step_" in log, log
+    return int(log.split("preempted, checkpoint step_")[1].split()[0]), log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_term_of_a_slurm_preemption_checkpoints_and_requeues(tmp_path, vslurm, slurm_jobs):
+    from test_faults_slurm import _job_nodes, assert_resumed_cleanly, wait_ended
+
+    run, job = _launch(tmp_path, slurm_jobs, "preemptterm")
+    trainer = next(g for g in json.loads((run / "run.json").read_text())["groups"] if g["name"] == "trainer")
+    node = wait_for(lambda: _job_nodes(job, trainer["het_index"]), 60, "the trainer's node")[0]
+    wait_for(lambda: is_complete(run / "checkpoints", 3), 120, "checkpoint step_3")
+    # A job of the higher-tier partition that needs the trainer's whole node: Slurm preempts the run
+    # (PreemptMode=REQUEUE: SIGCONT+SIGTERM to the batch script and every step, SIGKILL after KillWait).
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-t", "1",
+                             "-o", "/dev/null", "--wrap", "sleep 2"], capture_output=True, text=True)
+    assert urgent.returncode == 0, urgent.stderr
+    slurm_jobs.append(urgent.stdout.strip().split(";")[0])
+    wait_for(lambda: (run / "logs" / "attempt_1").is_dir(), 240, "the requeued attempt")
+    resume_step, trainer_log = _checkpointed_step(run)
+    assert "(SIGTERM)" in trainer_log or "(PREEMPT)" in trainer_log, trainer_log
+    assert resume_step >= 3
+    wait_ended(run)
+    batch_log = _batch_log(run)
+    assert "Slurm preempts it (requeue)" in batch_log, batch_log  # the old trap stopped without a checkpoint
+    assert f"{job}+{trainer['het_index']}|PREEMPTED" in _accounting(job)
+    assert_resumed_cleanly(run, job, resume_step)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_scancel_stops_without_requeue(tmp_path, vslurm, slurm_jobs):
+    from test_faults_slurm import wait_ended
+
+    run, job = _launch(tmp_path, slurm_jobs, "usercancel")
+    wait_for(lambda: is_complete(run / "checkpoints", 3), 120, "checkpoint step_3")
+    assert subprocess.run(["scancel", job]).returncode == 0
+    status = wait_ended(run)
+    time.sleep(15)  # longer than a requeued job needs to start again here (cred_expire=10)
+    batch_log = _batch_log(run)
+    assert status.state == "cancelled", (status.to_dict(), batch_log)
+    assert "not a preemption" in batch_log and "requeue" not in batch_log.replace("no requeue", ""), batch_log
+    assert not (run / "logs" / "attempt_1").exists() and not (run / "PREEMPT").exists()
+    assert "REQUEUED" not in _accounting(job) and "PREEMPTED" not in _accounting(job)
+    assert subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == ""
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_usr2_at_the_last_restart_on_slurm_checkpoints_then_stops(tmp_path, vslurm, slurm_jobs):
+    from test_faults_slurm import wait_ended
+
+    run, job = _launch(tmp_path, slurm_jobs, "lastrestart", "deployment.max_restarts=0")
+    wait_for(lambda: is_complete(run / "checkpoints", 3), 120, "checkpoint step_3")
+    assert subprocess.run(["scancel", "--batch", "--signal=USR2", job]).returncode == 0
+    wait_ended(run)
+    step, _log = _checkpointed_step(run)
+    assert step >= 3 and is_complete(run / "checkpoints", step)  # resumable from where it stopped
+    batch_log = _batch_log(run)
+    assert "no automatic restart left (0/0" in batch_log, batch_log
+    assert not (run / "logs" / "attempt_1").exists() and "REQUEUED" not in _accounting(job)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_usr2_after_done_does_not_requeue(tmp_path, vslurm, slurm_jobs):
+    from test_faults_slurm import STEPS, trainer_steps, wait_ended
+
+    # A long grace period keeps the job alive after DONE (the smoke trainer still counts its steps)
+    run, job = _launch(tmp_path, slurm_jobs, "afterdone", "deployment.grace_period_s=60")
+    wait_for(lambda: is_complete(run / "checkpoints", 3), 120, "checkpoint step_3")
+    (run / "DONE").write_text(json.dumps({"time": time.time(), "by": "test"}))
+    wait_for(lambda: "stopping the other groups within 60s" in _batch_log(run), 60, "the orchestrator's exit")
+    assert subprocess.run(["scancel", "--batch", "--signal=USR2", job]).returncode == 0
+    status = wait_ended(run)
+    batch_log = _batch_log(run)
+    assert "after the run finished (DONE): no checkpoint, no requeue" in batch_log, batch_log
+    assert not (run / "logs" / "attempt_1").exists() and "REQUEUED" not in _accounting(job), batch_log
+    assert (run / "DONE").exists() and not (run / "PREEMPT").exists()
+    assert status.state == "completed" and [r["step"] for r in trainer_steps(run)] == list(range(STEPS))
