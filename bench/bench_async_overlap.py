@@ -30,7 +30,7 @@ from sim_inference import sim_server  # noqa: E402
 from rlctl.orchestrator.exchange.steps import MARKER  # noqa: E402
 from rlctl.orchestrator.environments import load_environment  # noqa: E402
 from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop  # noqa: E402
-from rlctl.orchestrator.exchange.batches_fs import read_batch, wait_for_batch  # noqa: E402
+from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchWriter, read_batch, wait_for_batch  # noqa: E402
 from rlctl.orchestrator.weight_watcher import WeightWatcher, inference_reloader  # noqa: E402
 
 TOKEN = "bench"
@@ -80,7 +80,7 @@ async def run_once(gen_s: float, train_s: float, steps: int, groups: int, group_
     with sim_server(token_delay=gen_s / tokens, token=TOKEN, max_concurrent=groups) as url:
         gen_actual = await measure_gen(url, groups, group_size, tokens)
         policy = PolicyVersion(0)
-        loop = RolloutLoop(settings, load_environment("sequence"), url, TOKEN, policy, rollouts, rng=random.Random(0))
+        loop = RolloutLoop(settings, load_environment("sequence"), url, TOKEN, policy, FilesystemBatchWriter(rollouts), rng=random.Random(0))
         reload, close = inference_reloader([url], TOKEN)
         watcher = WeightWatcher(weights, policy, reload)
         trainer = threading.Thread(target=simulated_trainer, args=(rollouts, weights, steps, train_s, stamps))

@@ -27,7 +27,6 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import aiohttp
@@ -37,7 +36,7 @@ from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
 from rlctl.orchestrator.environments import Environment, Prompt
 from rlctl.inference.client import policy_cache_salt
 from rlctl.inference.server import SERVED_MODEL_NAME
-from rlctl.orchestrator.exchange.batches_fs import write_batch
+from rlctl.orchestrator.exchange.batches import BatchWriter
 
 
 class PolicyVersion:
@@ -102,7 +101,7 @@ class StepStats:
 
 class RolloutLoop:
     def __init__(self, settings: LoopSettings, env: Environment, url: str, api_key: str | None,
-                 policy: PolicyVersion, rollouts_dir: Path, rng: random.Random | None = None,
+                 policy: PolicyVersion, batches: BatchWriter, rng: random.Random | None = None,
                  on_batch: Callable[[int, list[Group], dict], None] | None = None,
                  before_write: Callable[[int, dict[str, Any]], None] | None = None):
         self.s = settings
@@ -111,7 +110,7 @@ class RolloutLoop:
         # Only the api key travels through the router: it opens /v1 on the servers and nothing else.
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.policy = policy
-        self.rollouts_dir = Path(rollouts_dir)
+        self.batches = batches
         self.rng = rng or random.Random(0)
         self.on_batch = on_batch
         self.before_write = before_write  # (step, progress_state(step + 1)) before batch `step` is written
@@ -265,7 +264,7 @@ class RolloutLoop:
         lags = [step - v for v in versions] or [0]
         meta = {"policy_version_max": max(versions, default=self.policy.version),
                 "group_ids": [g.group_id for g in groups], "dropped_groups": stats.dropped_groups}
-        write_batch(self.rollouts_dir, step, tensors, meta)
+        self.batches.write(step, tensors, meta)
         elapsed = max(time.monotonic() - stats.start, 1e-9)
         n_rollouts = len(groups) * self.s.group_size
         tokens = int(tensors["loss_mask"].sum())

@@ -9,7 +9,7 @@ from sim_inference import fetch_stats, sim_server
 
 from rlctl.orchestrator.environments import load_environment
 from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
-from rlctl.orchestrator.exchange.batches_fs import read_batch, step_dir
+from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchWriter, read_batch, step_dir
 
 
 def test_ten_thousand_in_flight_bounded_and_exactly_once(tmp_path):
@@ -20,7 +20,7 @@ def test_ten_thousand_in_flight_bounded_and_exactly_once(tmp_path):
     with sim_server(token_delay=0.3, token="secret") as url:
         policy = PolicyVersion(0)
         written: list[int] = []
-        loop = RolloutLoop(settings, load_environment("count_a"), url, "secret", policy, tmp_path,
+        loop = RolloutLoop(settings, load_environment("count_a"), url, "secret", policy, FilesystemBatchWriter(tmp_path),
                            rng=random.Random(1), on_batch=lambda step, groups, m: written.extend(g.group_id for g in groups))
 
         async def scenario():

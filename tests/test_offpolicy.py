@@ -11,7 +11,7 @@ from sim_inference import TOKEN_BASE, fetch_stats, sim_server
 from rlctl.orchestrator.exchange.steps import MARKER
 from rlctl.orchestrator.environments import Environment, Prompt, load_environment
 from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
-from rlctl.orchestrator.exchange.batches_fs import read_batch, step_dir
+from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchWriter, read_batch, step_dir
 from rlctl.orchestrator.weight_watcher import WeightWatcher, inference_reloader
 
 TOKEN = "tok"
@@ -43,7 +43,7 @@ def test_tokens_are_tagged_with_the_version_that_generated_them(tmp_path):
     settings = LoopSettings(rollouts_per_step=16, group_size=4, max_tokens=12, max_off_policy_steps=100,
                             max_in_flight=32, max_steps=4)
     with sim_server(token_delay=0.05, token=TOKEN) as url:
-        loop = RolloutLoop(settings, load_environment("sequence"), url, TOKEN, PolicyVersion(0), rollouts,
+        loop = RolloutLoop(settings, load_environment("sequence"), url, TOKEN, PolicyVersion(0), FilesystemBatchWriter(rollouts),
                            rng=random.Random(0))
 
         async def publisher():  # new weights every 0.2 s: most requests (0.6 s) straddle a reload
@@ -95,7 +95,7 @@ def test_straggler_older_than_the_bound_is_dropped_and_replaced(tmp_path):
                             max_in_flight=8, max_steps=3)
     written = {}
     with sim_server(token_delay=0.05, token=TOKEN) as url:
-        loop = RolloutLoop(settings, SlowFirst(), url, TOKEN, PolicyVersion(0), rollouts, rng=random.Random(0),
+        loop = RolloutLoop(settings, SlowFirst(), url, TOKEN, PolicyVersion(0), FilesystemBatchWriter(rollouts), rng=random.Random(0),
                            on_batch=lambda step, groups, m: written.update({step: ([g.group_id for g in groups], m)}))
 
         async def publisher():  # the trainer: v1 after the straggler's first token (0.5 s), then one per batch

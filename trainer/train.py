@@ -183,7 +183,6 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> int:
-        from rlctl.orchestrator.exchange.batches_fs import read_batch
         from rlctl.trainer.checkpoint import save_checkpoint
 
         self.heartbeat = Heartbeat(self.run, "trainer", beat_interval(self.recipe.monitoring.stall_timeout_s))
@@ -194,13 +193,13 @@ class Trainer:
         ckpt = self.recipe.checkpoint
         for step in range(self.start_step, self.max_steps):
             t_wait = time.perf_counter()
-            folder = self._wait_batch_or_preempt(step, done)
-            if self._agree_on_preemption(folder is PREEMPTED):
+            ready = self._wait_batch_or_preempt(step, done)
+            if self._agree_on_preemption(ready is PREEMPTED):
                 return self._checkpoint_and_stop(step)
-            if folder is None:
+            if not ready:
                 self.log(f"{done.name} appeared before rollouts/{step_dir_name(step)}: stopping at step {step}")
                 return 0
-            batch, meta = read_batch(folder)
+            batch, meta = self.batches.read(step)
             wait_s = time.perf_counter() - t_wait
             t0 = time.perf_counter()
             metrics = self.train_step(batch)
@@ -235,17 +234,14 @@ class Trainer:
         return self.term.raised or self.run.preempt.exists()
 
     def _wait_batch_or_preempt(self, step: int, done: Path):
-        """The batch folder of `step`, None on DONE, or PREEMPTED when a preemption was requested."""
-        from rlctl.orchestrator.exchange.batches_fs import wait_for_batch
-
+        """True once batch `step` is complete, False on DONE, or PREEMPTED when a preemption was requested."""
         deadline = time.monotonic() + self.cfg.batch_timeout_s
         while True:
             if self._stop_requested():
                 return PREEMPTED
             self._beat(step, waiting_for=f"rollouts/{step_dir_name(step)}")
             try:
-                return wait_for_batch(self.run.rollouts, step, min(1.0, max(0.0, deadline - time.monotonic())),
-                                      stop_file=done)
+                return self.batches.wait(step, min(1.0, max(0.0, deadline - time.monotonic())), stop_file=done)
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
