@@ -1,5 +1,5 @@
 """`rlctl monitor` / `rlctl runs` against run dirs kept by a real (small) supervisor process that follows
-the local launcher's contract: status/*.json with real pids, metrics.jsonl, logs/latest, DONE."""
+the local launcher's contract: status/*.json with real pids, metrics/<writer>.jsonl, logs/latest, DONE."""
 from __future__ import annotations
 
 import json
