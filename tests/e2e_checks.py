@@ -82,10 +82,26 @@ def running(pid: int) -> bool:
         return False
 
 
+def _cwd_under(pid: int, root: str) -> bool:
+    """Whether `pid` runs in `root` or below (every component runs in its run dir)."""
+    try:
+        return (os.readlink(f"/proc/{pid}/cwd") + "/").startswith(root)
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def leftover_processes(run: Path) -> list[str]:
     """Processes of this run still alive: recorded pids, anything naming the run dir on its command line,
-    anything carrying the run's RLCTL_RUN_DIR (children such as vLLM's engine core inherit it), and
-    anything holding a file of the run dir open."""
+    anything carrying the run's RLCTL_RUN_DIR (children such as vLLM's engine core inherit it), running
+    in the run dir, or holding a file of it open — and any vLLM process or multiprocessing
+    resource_tracker whose environment so much as mentions the run dir (its caches live there)."""
     left = []
     for path in (run / "status").glob("*.json"):
         pid = json.loads(path.read_text()).get("pid")
@@ -97,10 +113,13 @@ def leftover_processes(run: Path) -> list[str]:
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid() or not running(int(proc.name)):
             continue
-        if _environ_mentions(int(proc.name), needle):
-            left.append(f"env pid {proc.name}: {(proc / 'cmdline').read_bytes()[:120]!r}")
-        elif _holds_file_under(int(proc.name), f"{run}/"):
-            left.append(f"open-file pid {proc.name}: {(proc / 'cmdline').read_bytes().split(bytes(1))[0][:60]!r}")
+        pid, cmdline = int(proc.name), _cmdline(int(proc.name))
+        if _environ_mentions(pid, needle):
+            left.append(f"env pid {pid}: {cmdline[:120]!r}")
+        elif _holds_file_under(pid, f"{run}/") or _cwd_under(pid, f"{run}/"):
+            left.append(f"open-file/cwd pid {pid}: {cmdline.split(bytes(1))[0][:60]!r}")
+        elif (b"vllm" in cmdline.lower() or b"resource_tracker" in cmdline) and _environ_mentions(pid, str(run).encode()):
+            left.append(f"vllm pid {pid}: {cmdline[:120]!r}")
     return sorted(set(left))
 
 

@@ -28,8 +28,10 @@ from rlctl.inference.client import (  # noqa: E402
     prompt_logprobs_of,
     reload_all,
 )
+from rlctl.inference.processes import has_exited, stop_process_group  # noqa: E402
 from rlctl.inference.router import start_router  # noqa: E402
-from e2e_checks import running, wait_for  # noqa: E402
+from rlctl.launchers.local import KILL_AFTER_S  # noqa: E402
+from e2e_checks import leftover_processes, running, wait_for  # noqa: E402
 from rlctl.orchestrator.exchange.layout import RunDir  # noqa: E402
 from rlctl.orchestrator.exchange.files import atomic_write_json  # noqa: E402
 from rlctl.recipes.load import load_recipe  # noqa: E402
@@ -78,8 +80,9 @@ def server(tmp_path_factory):
         (run.root / "DONE").write_text("")
         assert proc.wait(120) == 0, log.read_text()[-4000:]
         assert not announcement.exists()
-        with pytest.raises(ProcessLookupError):  # the server's whole process group is gone: no orphans
-            os.killpg(info["pid"], 0)
+        # the server's whole process group is gone the moment the wrapper exits (engine core and
+        # resource_tracker included: they ignore or may swallow SIGTERM): no orphans, not even briefly
+        assert not leftover_processes(run.root)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -268,3 +271,43 @@ def test_server_that_dies_at_start_reports_its_log_tail(tmp_path):
     assert "exited with code" in text and "last" in text and "lines of the server log" in text
     assert "no-such-architecture" in text.split("lines of the server log")[-1]
     assert run.admin_token() not in text and run.api_key() not in text
+
+
+def _engine_started(run: RunDir) -> bool:
+    """vLLM's engine core of this run exists: the server is in its engine handshake, where vLLM swallows a
+    SIGTERM (it becomes a KeyboardInterrupt that its ZMQ socket context catches)."""
+    needle = f"RLCTL_RUN_DIR={run.root}\0".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"EngineCore" in (proc / "cmdline").read_bytes() \
+                    and needle in (proc / "environ").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_a_server_stopped_during_its_start_leaves_nothing(tmp_path, how):
+    """SIGTERM to the wrapper mid start-up: it stops the server within its bound. SIGKILL: the wrapper can do
+    nothing, so its launcher (here the test, as launchers/local.py does) stops the wrapper's session — which
+    holds the server, its engine core and resource_tracker, none of them in a session of their own."""
+    run = make_run(tmp_path / "run")
+    proc = start_inference(run, tmp_path / "log")
+    try:
+        wait_for(lambda: _engine_started(run), START_TIMEOUT_S, "vLLM's engine core to start", poll=0.05)
+        started = time.monotonic()
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 143
+        else:
+            proc.kill()
+            wait_for(lambda: has_exited(proc), 30, "the wrapper to die")  # not reaped: its session is still ours
+            stop_process_group(proc, 0)
+        took = time.monotonic() - started
+        wait_for(lambda: not leftover_processes(run.root), 5, f"no leftovers: {leftover_processes(run.root)}")
+        print(f"\n[measure] {how} during start-up: wrapper and server gone in {took:.1f} s")
+        assert took < KILL_AFTER_S  # the wrapper is done before its launcher would SIGKILL it
+    finally:
+        if proc.returncode is None:
+            stop_process_group(proc, 0)
