@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlctl.orchestrator")
     parser.add_argument("--run-dir", default=os.environ.get("RLCTL_RUN_DIR"), help="the run directory")
     args = parser.parse_args(argv)
+    from rlctl.inference.processes import private_umask
+
+    private_umask()  # rollouts, metrics, the router's log: the owner's only, whatever umask we were given
     if not args.run_dir:
         print("orchestrator: error: --run-dir (or RLCTL_RUN_DIR) is required", file=sys.stderr)
         return 2
