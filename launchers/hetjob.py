@@ -168,12 +168,21 @@ stop_running() {
 term_cause_now() {  # why Slurm sent TERM, from the job's record (slurmctld updates it before signalling):
   # requeue = Slurm requeues the job itself (a preemption with PreemptMode=REQUEUE, `scontrol requeue`:
   # its restart count went up); preempt = preempted, not requeued (PreemptMode=CANCEL: PreemptTime set,
-  # accounting state PREEMPTED); stop = scancel (CANCELLED), the time limit, anything else
+  # accounting state PREEMPTED); node_fail = requeued after a node failure; stop = scancel (CANCELLED),
+  # the time limit, anything else
   local info restarts preempt_time
   info="$(timeout 20 scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | head -n 1 | tr ' ' '\n')"
   restarts="$(sed -n 's/^Restarts=//p' <<<"$info")"
   preempt_time="$(sed -n 's/^PreemptTime=//p' <<<"$info")"
-  if [[ $restarts =~ ^[0-9]+$ ]] && (( restarts > RESTARTS )); then echo requeue
+  if [[ $restarts =~ ^[0-9]+$ ]] && (( restarts > RESTARTS )); then
+    # a node failure requeues too, but a rank is gone: no collective checkpoint (accounting may lag a bit)
+    local _ acct  # the newest ended record (-D: the requeued job already has a PENDING one)
+    for _ in 1 2 3; do
+      acct="$(timeout 20 sacct -D -n -X -P -j "$SLURM_JOB_ID" -o State 2>/dev/null | grep -v -e PENDING -e RUNNING | tail -n 1)"
+      [[ -n $acct ]] && break
+      sleep 1
+    done
+    [[ $acct == *NODE_FAIL* ]] && echo node_fail || echo requeue
   elif [[ -n $preempt_time && $preempt_time != None ]]; then echo preempt
   elif timeout 20 sacct -n -X -P -j "$SLURM_JOB_ID" -o State 2>/dev/null | grep -q '^PREEMPTED'; then echo preempt
   else echo stop; fi
@@ -213,7 +222,7 @@ preempt() {  # $1: usr2 (--signal before the time limit, or send_user_signal), r
   checkpoint_trainer "$1"
   case "$1/$term_cause" in
     */stop) log "cancelled during the checkpoint: no requeue"; stop_running; exit 143 ;;
-    requeue/*|*/requeue) log "Slurm requeues job ${SLURM_JOB_ID} (restart $((RESTARTS + 1))/${MAX_RESTARTS})"
+    requeue/*|*/requeue|*/node_fail) log "Slurm requeues job ${SLURM_JOB_ID} (restart $((RESTARTS + 1))/${MAX_RESTARTS})"
                          stop_running; exit 143 ;;
   esac
   log "requeueing job ${SLURM_JOB_ID} (restart $((RESTARTS + 1))/${MAX_RESTARTS})"
@@ -234,6 +243,8 @@ on_term() {
   fi
   case $term_cause in
     requeue|preempt) log "job signalled (TERM): Slurm preempts it (${term_cause})"; preempt "$term_cause" ;;
+    node_fail) log "job signalled (TERM): a node failed, Slurm requeues the job (no PREEMPT: a rank may be gone)"
+               stop_running; exit 143 ;;
     *) log "job signalled (TERM, not a preemption: scancel or time limit): stopping every group"
        stop_running; exit 143 ;;
   esac

@@ -112,7 +112,10 @@ def test_node_down_under_a_running_job_requeues_and_resumes(tmp_path, vslurm, sl
         status = wait_ended(run)
         batch_log = "".join(p.read_text() for p in (run / "logs").glob("attempt_*/slurm-*.out"))
         resume_step = int(batch_log.split("resume step '")[1].split("'")[0])
-        assert resume_step >= 3 and resume_step % 3 == 0, batch_log  # a periodic checkpoint
+        # the newest complete checkpoint: a periodic one, or the step the trainer saved on Slurm's SIGTERM
+        # (a DOWN node of the virtual cluster keeps its processes); the script itself asks for none
+        assert resume_step >= 3, batch_log
+        assert "a node failed, Slurm requeues the job" in batch_log and not (run / "PREEMPT").exists()
         acct = subprocess.run(["sacct", "-j", job, "-X", "-D", "-n", "-P", "-o", "JobID,State"],
                               capture_output=True, text=True).stdout
         assert f"{job}+{trainer['het_index']}|NODE_FAIL" in acct, acct  # the first allocation lost its node

@@ -96,13 +96,22 @@ def supervisors():
 
 
 def test_term_of_a_requeueing_preemption_checkpoints_and_leaves_the_requeue_to_slurm(tmp_path, supervisors):
-    sup = supervisors(tmp_path)
+    sup = supervisors(tmp_path, sacct_state="PREEMPTED")
     sup.job.write_text("JobId=77 JobState=COMPLETING Restarts=1\n")  # what slurmctld shows by then
     sup.signal(signal.SIGTERM)
     code, out = sup.finish()
     assert (sup.run / "PREEMPT").exists() and (sup.run / "checkpointed").exists(), out
     assert "Slurm preempts it (requeue)" in out and "Slurm requeues job 77" in out, out
     assert sup.requeues() == 0 and code == 143, out
+
+
+def test_term_of_a_node_failure_requeue_does_not_ask_for_a_checkpoint(tmp_path, supervisors):
+    sup = supervisors(tmp_path, sacct_state="NODE_FAIL")
+    sup.job.write_text("JobId=77 JobState=COMPLETING Restarts=1\n")
+    sup.signal(signal.SIGTERM)
+    code, out = sup.finish()
+    assert "a node failed, Slurm requeues the job" in out and code == 143, out
+    assert not (sup.run / "PREEMPT").exists() and sup.requeues() == 0, out
 
 
 def test_term_of_a_cancelling_preemption_checkpoints_and_requeues(tmp_path, supervisors):
