@@ -135,8 +135,12 @@ def test_resume_from_another_runs_checkpoint_takes_its_history(tmp_path):
 def test_requeued_job_records_the_next_attempt(tmp_path):
     run = make_history(tmp_path)
     atomic_write_json(run.manifest, {"name": "run", "attempt": 0, "job_id": "42", "attempts": [{"attempt": 0}]})
-    out = subprocess.run([sys.executable, "-m", "rlctl.launchers.resume", "--run-dir", str(run.root), "--requeued", "1"],
-                         capture_output=True, text=True, timeout=60)
+    requeue = [sys.executable, "-m", "rlctl.launchers.resume", "--run-dir", str(run.root), "--requeued", "1"]
+    finished = subprocess.run(requeue, capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 3 and "already finished" in finished.stderr  # DONE: never rewound
+    assert run.done.exists() and (run.weights / "step_8").exists()
+    run.done.unlink()  # a preempted run has no DONE
+    out = subprocess.run(requeue, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "6" and "resuming from checkpoint step_6" in out.stderr
     manifest = run.read_manifest()
@@ -151,7 +155,7 @@ def test_sbatch_script_requeues_and_resumes(tmp_path):
                           "-o", "deployment.preempt_signal_s=90", "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     script = Path(json.loads(out.stdout)["script"]).read_text()
-    for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR2@90", "MAX_RESTARTS=2", "trap preempt USR2",
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR2@90", "MAX_RESTARTS=2", "trap 'preempt usr2' USR2",
                  "-m rlctl.launchers.resume", 'scontrol requeue "$SLURM_JOB_ID"'):
         assert line in script, line
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
