@@ -115,6 +115,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
                       api_key: str) -> None:
     from rlctl.orchestrator.environments import load_environment
     from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
+    from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchWriter
     from rlctl.orchestrator.exchange.retention import record_serving, sweep_orchestrator_staging
     from rlctl.orchestrator.weight_watcher import WeightWatcher, inference_reloader
 
@@ -159,7 +160,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
             log(f"collecting batches {start_step}..{end_step - 1} via {router_url}")
             settings = LoopSettings.from_config(cfg, start_step=start_step)
             settings.max_steps = end_step - start_step
-            loop = RolloutLoop(settings, env, router_url, api_key, policy, run.rollouts,
+            loop = RolloutLoop(settings, env, router_url, api_key, policy, FilesystemBatchWriter(run.rollouts),
                                rng=rng, on_batch=on_batch, before_write=save_progress)
             await _until_first(loop.run(), watch_task, guard_task)
             loop = None  # from here on the beats say: waiting for the trainer's final weights
