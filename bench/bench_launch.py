@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlctl.launchers.hetjob import component_states
+from rlctl.launchers.slurm_state import component_states
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "recipes" / "smoke.toml"

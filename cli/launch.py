@@ -71,7 +71,7 @@ def launch_cmd(
         result.extra["rewind"] = plan
     states: dict = {}
     if result.job_id:
-        from rlctl.launchers.hetjob import component_states
+        from rlctl.launchers.slurm_state import component_states
 
         while True:
             states = component_states(result.job_id)

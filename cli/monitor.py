@@ -2,6 +2,7 @@
 and `rlctl runs` (the runs under an output root with their state)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 

@@ -55,7 +55,8 @@ def _cancel(run: RunDir, timeout: float) -> str:
         job = info.get("job_id")
         if not job:
             raise RecipeError(f"run {run.root.name} has no job id (dry run?): nothing to cancel")
-        from rlctl.launchers.hetjob import component_states, job_finished, strip_slurm_env
+        from rlctl.launchers.slurm_state import component_states, job_finished
+        from rlctl.launchers.het_script import strip_slurm_env
 
         env = {k: v for k, v in os.environ.items() if k not in strip_slurm_env(dict(os.environ))}
         out = subprocess.run(["scancel", str(job)], capture_output=True, text=True, env=env)

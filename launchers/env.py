@@ -86,7 +86,7 @@ def slurm_task_env(group, run_dir: str, attempt: int, environ: dict | None = Non
                 else environ.get("SLURM_STEP_NODELIST"))
     nodelist = nodelist or environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"]
     names = expand_nodelist(nodelist)[: group.nodes]
-    # name=addr pairs the batch script looked up once per component (see hetjob.render_het_script)
+    # name=addr pairs the batch script looked up once per component (see het_script.render_het_script)
     known = dict(p.split("=", 1) for p in environ.get(f"RLCTL_NODE_ADDRS_{k}", "").split(",") if "=" in p)
     this = environ.get("SLURMD_NODENAME", names[0])
     node_index = names.index(this) if this in names else int(environ.get("SLURM_NODEID", 0))

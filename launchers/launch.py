@@ -124,6 +124,10 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
         raw.setdefault("cluster", {})["profile"] = cluster
     recipe = validate(raw)
     profile = load_profile(recipe.cluster.profile)
+    # Components run in the run dir, not here: a model directory given relative to here must travel absolute.
+    local_model = Path(recipe.model.name).expanduser()
+    if not local_model.is_absolute() and local_model.exists():
+        recipe.model.name = str(local_model.resolve())
     placement = compute_placement(recipe, profile)
     if profile.scheduler == "slurm" and placement.orchestrator == "cpu_partition" and not profile.partitions.cpu:
         raise RecipeError("orchestrator_placement is 'cpu_partition' but the profile has no cpu partition",
@@ -244,7 +248,7 @@ def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = Fa
     if dry_run:
         commit(rewind=False)
         if profile.scheduler == "slurm":  # rendered without the executor: it would create the submitit folder
-            from rlctl.launchers.hetjob import render_het_script, shlex_python
+            from rlctl.launchers.het_script import render_het_script, shlex_python
 
             result.script = run.sbatch_script(attempt)
             folder = run.root / "submitit" / f"attempt_{attempt}"
@@ -311,7 +315,7 @@ def _submit(run: RunDir, attempt: int, recipe, groups, extra_env, hold: bool, in
 
 def _slurm(cmd: list[str]) -> str:
     """Run a Slurm command outside any enclosing job's environment; "" on success, else why not."""
-    from rlctl.launchers.hetjob import strip_slurm_env
+    from rlctl.launchers.het_script import strip_slurm_env
 
     env = {k: v for k, v in os.environ.items() if k not in strip_slurm_env(dict(os.environ))}
     try:

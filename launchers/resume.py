@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rlctl] not resuming: {e}", file=sys.stderr, flush=True)
         return 1
     except RunFinished as e:
-        from rlctl.launchers.hetjob import RUN_FINISHED_EXIT
+        from rlctl.launchers.het_script import RUN_FINISHED_EXIT
 
         print(f"[rlctl] {e}", file=sys.stderr, flush=True)
         return RUN_FINISHED_EXIT

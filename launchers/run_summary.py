@@ -12,7 +12,7 @@ from rlctl.launchers.status import RunStatus, epoch
 from rlctl.orchestrator.exchange.heartbeat import Beat, stalled_for
 from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord as Orch
 from rlctl.orchestrator.exchange.metrics import TrainerStepRecord as Trainer
-from rlctl.orchestrator.exchange.metrics import key_of, keys_of
+from rlctl.orchestrator.exchange.metrics import keys_of
 
 WINDOW = 20  # recent steps that medians, idle fractions and the ETA are computed over
 ERROR_RE = re.compile(r"error|traceback|killed|out of memory", re.IGNORECASE)

@@ -37,3 +37,17 @@ def slurm_jobs() -> list[str]:
     yield jobs
     for job in jobs:
         subprocess.run(["scancel", job], capture_output=True)
+
+
+@pytest.fixture
+def cli():
+    """`rlctl monitor`/`runs`/`logs` invoked in-process: cli("monitor", RUN, "--once") -> click Result."""
+    import typer
+    from typer.testing import CliRunner
+
+    from rlctl.cli import monitor as monitor_cli
+
+    app = typer.Typer()
+    monitor_cli.register(app)
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, [str(a) for a in args])

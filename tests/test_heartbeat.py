@@ -8,24 +8,13 @@ import socket
 import time
 
 import pytest
-import typer
-from typer.testing import CliRunner
 
-from rlctl.cli import monitor as monitor_cli
 from rlctl.launchers.status import _process_start_epoch, run_state
 from rlctl.orchestrator.exchange.files import atomic_write_json
 from rlctl.orchestrator.exchange.heartbeat import Beat, Heartbeat, read_beats, stalled_for
 from rlctl.orchestrator.exchange.layout import RunDir
 
 STALL_S = 2.0
-
-
-@pytest.fixture
-def cli():
-    app = typer.Typer()
-    monitor_cli.register(app)
-    runner = CliRunner()
-    return lambda *args: runner.invoke(app, [str(a) for a in args])
 
 
 def running_run(tmp_path, name: str = "hb") -> RunDir:

@@ -15,7 +15,7 @@ import pytest
 
 from e2e_checks import wait_for
 from rlctl.launchers.env import expand_nodelist
-from rlctl.launchers.hetjob import component_states, job_finished
+from rlctl.launchers.slurm_state import component_states, job_finished
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -8,8 +8,9 @@ import pytest
 
 from rlctl.launchers.env import component_env, expand_nodelist, master_port_for
 from rlctl.launchers.groups import JobGroup, components
-from rlctl.launchers.hetjob import (HetInfoWatcher, combined_state, parse_component_rows, render_het_script,
-                                    strip_slurm_env)
+from rlctl.launchers.hetjob import HetInfoWatcher, combined_state
+from rlctl.launchers.slurm_state import parse_component_rows
+from rlctl.launchers.het_script import render_het_script, strip_slurm_env
 
 ORCH = JobGroup("orchestrator", 0, 1, 1, "rlctl.orchestrator", partition="cpu", cpus_per_task=4)
 INF = JobGroup("inference", 1, 2, 2, "rlctl.inference", gpus_per_node=8, partition="gpu", qos="high",
@@ -176,3 +177,18 @@ def test_percent_in_paths_is_escaped_for_slurm_and_the_job_runs_in_the_run_dir()
     assert all(" -P -u -m submitit.core._submit /runs/50%-off/submitit/attempt_0/" in ln for ln in sruns)
     assert "#SBATCH --chdir=/runs/50%-off" in text.split("#SBATCH hetjob")[0]
     assert "umask 077" in text
+
+
+def test_a_model_directory_relative_to_the_launch_directory_travels_absolute(tmp_path, monkeypatch):
+    """Components run in the run dir, so `model.name = "my-model"` must reach them as an absolute path."""
+    import json
+
+    from rlctl.launchers.launch import load_for_launch
+    from rlctl.trainer.tiny_model import TINY_QWEN3
+
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "my-model" / "config.json").write_text(json.dumps(TINY_QWEN3))
+    monkeypatch.chdir(tmp_path)
+    recipe = load_for_launch(["tiny-cpu"], ["model.name=my-model"])[0]
+    assert recipe.model.name == str(tmp_path / "my-model")
+    assert load_for_launch(["tiny-cpu"])[0].model.name == "tiny-qwen3"  # catalog names stay names

@@ -11,10 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-import typer
-from typer.testing import CliRunner
 
-from rlctl.cli import monitor as monitor_cli
 from rlctl.orchestrator.exchange.files import atomic_write_json
 from rlctl.launchers.status import resolve_run, run_state
 
@@ -78,14 +75,6 @@ def make_run(root: Path, name: str, steps: int = 6, max_steps: int | None = None
     })
     proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(run), str(steps), str(step_s), str(trainer_rc)])
     return run, proc
-
-
-@pytest.fixture
-def cli():
-    app = typer.Typer()
-    monitor_cli.register(app)
-    runner = CliRunner()
-    return lambda *args: runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture
@@ -245,16 +234,6 @@ def test_plot_writes_png(cli, finished, tmp_path):
     assert cli("monitor", finished, "--plot", tmp_path / "x.jpg").exit_code == 2
 
 
-def test_slurm_unavailable_is_unknown_with_reason(tmp_path, monkeypatch):
-    run = tmp_path / "slurm-run"
-    run.mkdir()
-    atomic_write_json(run / "run.json", {"name": "s", "scheduler": "slurm", "job_id": "4242", "attempt": 1,
-                                         "groups": [{"name": "trainer", "het_index": 0}]})
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no sacct / squeue on PATH
-    status = run_state(run)
-    assert status.state == "unknown" and "sacct not found" in status.reason
-
-
 HET_SCRIPT = """#!/bin/bash
 #SBATCH --nodes=1 --ntasks=1 --partition=cpu
 #SBATCH hetjob
@@ -370,38 +349,6 @@ def test_shutdown_errors_after_a_completed_run_are_not_its_errors(cli, finished)
     from rlctl.launchers.run_summary import log_errors
 
     assert any("EngineDeadError" in e["line"] for e in log_errors(finished))
-
-
-def _fake_slurm(monkeypatch, squeue: str, sacct: str) -> None:
-    from rlctl.launchers import slurm_state
-
-    def run(cmd):
-        return (squeue if cmd[0] == "squeue" else sacct), ""
-
-    monkeypatch.setattr(slurm_state, "_run", run)
-
-
-def test_one_slurm_reader_preempted_is_an_end_state_everywhere(tmp_path, monkeypatch):
-    from rlctl.launchers.control import run_active
-    from rlctl.launchers.hetjob import component_states, job_finished
-    from rlctl.orchestrator.exchange.layout import RunDir
-
-    run = tmp_path / "preempted"
-    run.mkdir()
-    atomic_write_json(run / "run.json", {"name": "p", "scheduler": "slurm", "job_id": "77", "attempt": 0,
-                                         "groups": [{"name": "trainer", "het_index": 0}]})
-    # preempted and not requeued: squeue no longer lists it, sacct's newest record says PREEMPTED
-    _fake_slurm(monkeypatch, "", "77|rlctl-p|PREEMPTED|0:15|node1|2024-01-01T00:00:00|2024-01-01T00:10:00\n")
-    status = run_state(run)
-    assert status.state == "failed" and "preempted" in status.reason
-    assert job_finished(component_states("77")) and not run_active(RunDir(run))
-    # preempted and requeued: a new record, PENDING in squeue — pending everywhere, and a restart
-    _fake_slurm(monkeypatch, "77|PENDING|(null)|BeginTime\n",
-                "77|rlctl-p|PREEMPTED|0:15|node1|2024-01-01T00:00:00|2024-01-01T00:10:00\n"
-                "77|rlctl-p|PENDING|0:0|None assigned|Unknown|Unknown\n")
-    status = run_state(run)
-    assert status.state == "pending" and status.components[0].restarts == 1
-    assert not job_finished(component_states("77")) and run_active(RunDir(run))
 
 
 def test_a_new_attempt_clears_announcements_and_heartbeats(tmp_path):

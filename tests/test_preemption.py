@@ -1,6 +1,6 @@
 """Preemption and timeouts.
 
-Fast: the batch script's supervisor (launchers/hetjob.py SUPERVISOR, the real text) run by bash with a
+Fast: the batch script's supervisor (launchers/het_script.py SUPERVISOR, the real text) run by bash with a
 fake `scontrol`/`sacct` and fake group steps, signalled as Slurm signals it; the orchestrator's bound
 on the wait for servers. Slow, on the virtual cluster (partition `urgent` preempts `gpu`/`cpu` with
 PreemptMode=REQUEUE, see tests/slurm/slurm.conf.in): a real preemption (SIGTERM to the batch script
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from e2e_checks import wait_for
 
-from rlctl.launchers.hetjob import SUPERVISOR
-from rlctl.orchestrator.exchange.checkpoints import complete_checkpoints, is_complete
+from rlctl.launchers.het_script import SUPERVISOR
+from rlctl.orchestrator.exchange.checkpoints import is_complete
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.recipes.load import load_recipe
