@@ -23,14 +23,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Iterable
+
+from rlctl.orchestrator.exchange.procstat import HAVE_PROC, proc_stat
 
 PR_SET_PDEATHSIG = 1
 PRIVATE_UMASK = 0o077  # every file of a run 0600, every directory 0700 (see orchestrator/exchange/files.py)
 KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for the kernel to take the processes down
 _POLL_S = 0.05
-_HAVE_PROC = Path("/proc/self/stat").exists()
 
 
 def die_with_parent() -> None:
@@ -99,17 +99,14 @@ def has_exited(proc: subprocess.Popen) -> bool:
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
     """(state, process group, session) of `pid`, None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[2]), int(fields[3])
+    fields = proc_stat(pid)
+    return None if fields is None else (fields[0], int(fields[2]), int(fields[3]))
 
 
 def members(leaders: Iterable[int]) -> dict[int, list[int]]:
     """Live processes (zombies excluded) in the process group or the session numbered by each leader."""
     found: dict[int, list[int]] = {leader: [] for leader in leaders}
-    if not _HAVE_PROC:
+    if not HAVE_PROC:
         for leader in found:
             try:
                 os.killpg(leader, 0)
@@ -129,7 +126,7 @@ def members(leaders: Iterable[int]) -> dict[int, list[int]]:
 
 def _send(pid: int, leader: int, sig: int) -> None:
     """Signal `pid` if it still belongs to `leader`'s group or session (pidfd: no race with PID reuse)."""
-    if not _HAVE_PROC:
+    if not HAVE_PROC:
         try:
             os.killpg(leader, sig)
         except (ProcessLookupError, PermissionError):

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rlctl.orchestrator.exchange.procstat import HAVE_PROC, start_epoch
 from rlctl.recipes.errors import RecipeError
 
 ENDED = ("completed", "failed", "cancelled", "lost")
@@ -196,25 +197,12 @@ def epoch(value) -> float | None:
     return None
 
 
-def _process_start_epoch(pid: int) -> float | None:
-    """Start time of `pid` from /proc (Linux), to tell a live process from a recycled pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] == "Z":
-            return None  # a zombie has exited
-        boot = next(float(l.split()[1]) for l in Path("/proc/stat").read_text().splitlines() if l.startswith("btime"))
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def pid_alive(pid: int | None, started=None) -> bool:
     """Whether `pid` runs and (when `started` is known) is the process that started then."""
     if not isinstance(pid, int) or pid <= 0:
         return False
-    if Path("/proc").is_dir():
-        began = _process_start_epoch(pid)
+    if HAVE_PROC:
+        began = start_epoch(pid)
         if began is None:
             return False
         since = epoch(started)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from rlctl.launchers.status import _process_start_epoch, run_state
+from rlctl.launchers.status import run_state
+from rlctl.orchestrator.exchange.procstat import start_epoch
 from rlctl.orchestrator.exchange.files import atomic_write_json
 from rlctl.orchestrator.exchange.heartbeat import Beat, Heartbeat, read_beats, stalled_for
 from rlctl.orchestrator.exchange.layout import RunDir
@@ -21,7 +22,7 @@ def running_run(tmp_path, name: str = "hb") -> RunDir:
     """A local run whose supervisor and trainer are this (live) test process, started a while ago."""
     run = RunDir(tmp_path / name)
     run.create()
-    started = _process_start_epoch(os.getpid())
+    started = start_epoch(os.getpid())
     time.sleep(max(0.0, started + 2 * STALL_S - time.time()))  # the clock of a process starts at its start
     atomic_write_json(run.manifest, {"name": name, "scheduler": "local", "job_id": None, "attempt": 0,
                                      "groups": [{"name": "trainer", "het_index": 0}],

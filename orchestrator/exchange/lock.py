@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlctl.orchestrator.exchange.files import FILE_MODE, fsync_path
+from rlctl.orchestrator.exchange.procstat import HAVE_PROC, start_ticks
 
 OTHER_HOST_STALE_S = 3600.0
 POLL_S = 0.2
@@ -42,20 +43,10 @@ def _boot_id() -> str | None:
         return None
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The start time of `pid` in clock ticks since boot (Linux); None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the name in parentheses may hold spaces
-    return None if fields[0] == "Z" else int(fields[19])
-
-
 def _pid_is(pid: int, ticks: int | None) -> bool:
     """Whether `pid` is still the process that took the lock."""
-    if Path("/proc").is_dir():
-        return ticks is not None and _start_ticks(pid) == ticks
+    if HAVE_PROC:
+        return ticks is not None and start_ticks(pid) == ticks
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -88,7 +79,7 @@ class RunLock:
         self.active, self.wait_s, self.stale_after_s = active, wait_s, stale_after_s
         pid = os.getpid()
         self.record = {
-            "host": socket.gethostname(), "pid": pid, "start_ticks": _start_ticks(pid), "boot_id": _boot_id(),
+            "host": socket.gethostname(), "pid": pid, "start_ticks": start_ticks(pid), "boot_id": _boot_id(),
             "command": _printable(command), "since": None, "nonce": secrets.token_hex(8),
             "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restart": os.environ.get("SLURM_RESTART_COUNT"),
         }
