@@ -115,3 +115,18 @@ def test_file_is_standard_safetensors(tmp_path):
     tensors = _batch()
     got = load_file(str(write_batch(tmp_path, 0, tensors, {}) / "batch.safetensors"))
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_a_batch_file_swapped_after_publication_fails_its_marker_checksum(tmp_path):
+    """Each file is self-consistent (its own checksum matches), but not the one its marker sealed."""
+    import shutil
+
+    from rlctl.orchestrator.exchange.steps import MARKER
+
+    one = write_batch(tmp_path, 1, _batch(seed=1), {})
+    two = write_batch(tmp_path, 2, _batch(seed=2), {})
+    assert (one / "batch.safetensors").stat().st_size == (two / "batch.safetensors").stat().st_size
+    shutil.copyfile(two / "batch.safetensors", one / "batch.safetensors")
+    with pytest.raises(CorruptRolloutError, match="marker"):
+        read_batch(one)
+    assert (one / MARKER).exists() and read_batch(two)[1]["step"] == 2
