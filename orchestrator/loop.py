@@ -258,17 +258,17 @@ class RolloutLoop:
             g.advantages = group_advantages([r.reward for r in g.rollouts], self.s.normalize_std)
         return kept, stats
 
-    def _write(self, step: int, groups: list[Group], stats: StepStats) -> dict:
+    def _build(self, step: int, groups: list[Group], stats: StepStats) -> tuple[dict, dict, dict]:
+        """(tensors, meta, metrics) of batch `step`."""
         tensors = build_batch_tensors(groups, step)
         versions = [v for g in groups for r in g.rollouts for v in r.versions]
         lags = [step - v for v in versions] or [0]
         meta = {"policy_version_max": max(versions, default=self.policy.version),
                 "group_ids": [g.group_id for g in groups], "dropped_groups": stats.dropped_groups}
-        self.batches.write(step, tensors, meta)
         elapsed = max(time.monotonic() - stats.start, 1e-9)
         n_rollouts = len(groups) * self.s.group_size
         tokens = int(tensors["loss_mask"].sum())
-        return {
+        return tensors, meta, {
             "reward_mean": float(tensors["rewards"].mean()) if n_rollouts else 0.0,
             "orchestrator_step_time_s": elapsed,
             "wait_policy_s": max(0.0, (stats.gate_open or stats.start) - stats.start),
@@ -307,9 +307,13 @@ class RolloutLoop:
                     groups, stats = await self._collect(step)
                     if self.before_write is not None:  # state taken here, between dispatches
                         await asyncio.to_thread(self.before_write, step, self.progress_state(step + 1))
-                    metrics = await asyncio.to_thread(self._write, step, groups, stats)
+                    tensors, meta, metrics = await asyncio.to_thread(self._build, step, groups, stats)
+                    # The batch's record goes before the batch: a batch the trainer can train (and a
+                    # later checkpoint then covers) always has its record. A crash in between leaves a
+                    # record without a batch, which the rewind to a checkpoint <= step drops.
                     if self.on_batch is not None:
                         self.on_batch(step, groups, metrics)
+                    await asyncio.to_thread(self.batches.write, step, tensors, meta)
             finally:
                 dispatcher.cancel()
                 for task in list(self._tasks):

@@ -57,3 +57,23 @@ def test_ten_thousand_in_flight_bounded_and_exactly_once(tmp_path):
         assert tensors["input_ids"].shape[0] == per_step
         on_disk.extend(meta["group_ids"])
     assert sorted(on_disk) == sorted(written)
+
+
+def test_a_batch_is_published_only_after_its_metrics_record(tmp_path):
+    """A writer killed between the two leaves a record without a batch (dropped by the rewind), never a
+    trainable batch without its record (which a later checkpoint would then cover: a step lost)."""
+    events: list[tuple[str, int]] = []
+
+    class RecordingWriter(FilesystemBatchWriter):
+        def write(self, step, tensors, meta):
+            events.append(("batch", step))
+            super().write(step, tensors, meta)
+
+    settings = LoopSettings(rollouts_per_step=8, group_size=4, max_tokens=2, max_off_policy_steps=2,
+                            max_in_flight=16, start_step=0, max_steps=3)
+    with sim_server(token_delay=0.0, token="secret") as url:
+        loop = RolloutLoop(settings, load_environment("count_a"), url, "secret", PolicyVersion(0),
+                           RecordingWriter(tmp_path), rng=random.Random(0),
+                           on_batch=lambda step, groups, m: events.append(("record", step)))
+        asyncio.run(asyncio.wait_for(loop.run(), 60))
+    assert events == [(kind, step) for step in range(3) for kind in ("record", "batch")]
