@@ -43,18 +43,17 @@ def _reference_weights(model_dir, batch, steps: int, recipe) -> dict:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def test_unimplemented_degrees_are_refused_with_the_key():
+def test_degrees_the_trainer_cannot_execute_are_refused_with_the_key():
     from rlctl.recipes.load import load_recipe
 
     from trainer_fixtures import RECIPE
 
-    for key, value in (("trainer.cp", 2), ("trainer.ep", 2), ("trainer.tp", 2)):
+    for key, value in (("trainer.tp", 2), ("trainer.ep", 4), ("trainer.cp", 3), ("trainer.fsdp", 3)):
         cfg = load_recipe([str(RECIPE)], [f"{key}={value}"]).trainer
         with pytest.raises(RecipeError, match=key.replace(".", r"\.")):
             resolve_dims(cfg, 2, "cpu")
-    cfg = load_recipe([str(RECIPE)], ["trainer.fsdp=3"]).trainer
-    with pytest.raises(RecipeError, match="trainer.fsdp"):
-        resolve_dims(cfg, 2, "cpu")
+    both = resolve_dims(load_recipe([str(RECIPE)], ["trainer.ep=2", "trainer.cp=2", "trainer.fsdp=2"]).trainer, 4, "cpu")
+    assert (both.dp_replicate, both.dp_shard, both.cp, both.ep, both.fsdp, both.efsdp) == (1, 2, 2, 2, 4, 2)
     hsdp = resolve_dims(load_recipe([str(RECIPE)], ["trainer.fsdp=2"]).trainer, 4, "cpu")
     assert (hsdp.dp_replicate, hsdp.dp_shard) == (2, 2)
 

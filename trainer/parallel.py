@@ -10,56 +10,8 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
-from rlctl.recipes.errors import RecipeError
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Resolved degrees for one trainer run."""
-
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    ep: int
-    world_size: int
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        if self.dp_replicate > 1:
-            return (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
-        return (self.dp_shard,), ("dp_shard",)
-
-
-def resolve_dims(trainer_cfg, world_size: int, device_type: str) -> ParallelDims:
-    """Turn the recipe's degrees (ints or 'auto') into concrete ones for `world_size` ranks."""
-
-    def fixed(name: str) -> int:
-        value = getattr(trainer_cfg, name)
-        return 1 if value == "auto" else int(value)
-
-    cp, tp, ep = fixed("cp"), fixed("tp"), fixed("ep")
-    for name, value, what in (("cp", cp, "context"), ("tp", tp, "tensor"), ("ep", ep, "expert")):
-        if value > 1:
-            raise RecipeError(
-                f"{what} parallelism (got {value}) is not implemented by the trainer on {device_type}; "
-                "allowed: 1 (the trainer shards with FSDP2 over trainer.fsdp ranks)",
-                f"trainer.{name}",
-            )
-    if trainer_cfg.fsdp == "auto":
-        shard = world_size
-    else:
-        shard = int(trainer_cfg.fsdp)
-        if shard > world_size or world_size % shard:
-            raise RecipeError(
-                f"must divide the trainer world size {world_size} (got {shard})", "trainer.fsdp"
-            )
-    return ParallelDims(world_size // shard, shard, cp, tp, ep, world_size)
+from rlctl.trainer.degrees import ParallelDims, resolve_dims  # noqa: F401 - re-exported for callers
 
 
 def _free_port() -> int:
@@ -101,10 +53,23 @@ def init_distributed() -> tuple[int, int, "torch.device"]:  # noqa: F821
 
 
 def build_mesh(dims: ParallelDims, device: "torch.device"):  # noqa: F821
+    """The world mesh (dp_replicate, dp_shard_mod_ep, ep, cp) with the flattened sub-meshes named in
+    `degrees.py`: `fsdp`, `efsdp`, `dp_shard` and `dp` (plus `ep`, `cp`, `dp_replicate`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape, names = dims.mesh_shape()
-    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+    names = ("dp_replicate", "dp_shard_mod_ep", "ep", "cp")
+    shape = (dims.dp_replicate, dims.dp_shard_mod_ep, dims.ep, dims.cp)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("fsdp")
+    mesh["dp_shard_mod_ep", "cp"]._flatten("efsdp")
+    mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+    return mesh
+
+
+def fsdp_mesh(mesh, dims: ParallelDims):
+    """The mesh dense parameters are sharded over: (dp_replicate, fsdp) for HSDP, else fsdp."""
+    return mesh["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else mesh["fsdp"]
 
 
 def decoder_layers(model):

@@ -52,7 +52,7 @@ class Trainer:
         from rlctl.trainer.checkpoint import load_checkpoint, require_complete, resolve_resume_step
         from rlctl.trainer.loss import load_loss
         from rlctl.trainer.model import load_causal_lm, resolve_model_dir
-        from rlctl.trainer.parallel import apply_fsdp, build_mesh, init_distributed, resolve_dims
+        from rlctl.trainer.parallel import apply_fsdp, build_mesh, fsdp_mesh, init_distributed, resolve_dims
         from rlctl.trainer.weights import load_config
 
         self.run, self.recipe, self.cfg = run, recipe, recipe.trainer
@@ -68,7 +68,7 @@ class Trainer:
         torch.manual_seed(recipe.orchestrator.seed)
         self.model = load_causal_lm(self.model_dir, self.device)
         self.mesh = build_mesh(self.dims, self.device)
-        apply_fsdp(self.model, self.mesh, self.cfg.dtype, self.cfg.activation_checkpointing)
+        apply_fsdp(self.model, fsdp_mesh(self.mesh, self.dims), self.cfg.dtype, self.cfg.activation_checkpointing)
         opt = self.cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
