@@ -121,3 +121,17 @@ def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor) ->
         ent = -(logp.exp() * logp).sum(-1)
     pad = chosen.new_zeros(chosen.shape[0], 1)
     return torch.cat([pad, chosen], dim=1), torch.cat([pad, ent], dim=1)
+
+
+def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position fp32 log-prob of `labels[:, t]` under the logits at t, and that distribution's entropy.
+
+    No shift inside: pair it with `context_parallel.next_token_targets` (labels[t] = input_ids[t+1],
+    targets shifted alike), which is what lets a rank holding only a slice of the sequence score its
+    own positions. Equals `token_logprobs_and_entropy` moved one position left.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        ent = -(logp.exp() * logp).sum(-1)
+    return chosen, ent
