@@ -17,23 +17,39 @@ import pytest
 import torch
 
 from rlctl.recipes.errors import RecipeError
-from rlctl.trainer.context_parallel import enable_ulysses, next_token_targets, shard_sequence
+from rlctl.trainer.context_parallel import (
+    check_context_parallel, enable_ulysses, next_token_targets, shard_sequence,
+)
 from rlctl.trainer.loss import importance_ratio_loss, logprobs_of_labels, token_logprobs_and_entropy
 
 LOSS_CFG = SimpleNamespace(mask_low=0.125, mask_high=8.0)
-KV_HEADS = (2, 1)  # 2: kv heads divisible by cp; 1: repeated before the exchange
+# qwen3-kv2: kv heads divisible by cp; qwen3-kv1: the kv head is repeated before the exchange;
+# deepseek-v3: MLA (q/k and v head sizes differ) and MoE layers
+MODELS = ("qwen3-kv2", "qwen3-kv1", "deepseek-v3")
 REL_TOL = 1e-5
 
 
-def tiny_model(kv_heads: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def tiny_config(name: str):
+    from transformers import DeepseekV3Config, Qwen3Config
 
     from rlctl.trainer.tiny_model import TINY_QWEN3
 
-    cfg = {k: v for k, v in TINY_QWEN3.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    if name.startswith("qwen3"):
+        cfg = {k: v for k, v in TINY_QWEN3.items() if k not in ("architectures", "model_type", "torch_dtype")}
+        return Qwen3Config(**{**cfg, "num_key_value_heads": int(name[-1])}, attn_implementation="sdpa")
+    return DeepseekV3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, attn_implementation="sdpa",
+    )
+
+
+def tiny_model(name: str):
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**{**cfg, "num_key_value_heads": kv_heads}, attn_implementation="sdpa"))
-    return model.float().train()
+    return AutoModelForCausalLM.from_config(tiny_config(name)).float().train()
 
 
 def ragged_batch(vocab: int, lengths=(11, 7, 4), prompt: int = 3, seed: int = 1) -> dict:
@@ -59,9 +75,9 @@ def with_inference_logprobs(batch: dict, logprobs: torch.Tensor) -> dict:
     return {**batch, "inference_logprobs": ((logprobs.detach() + batch["noise"]) * batch["loss_mask"]).float()}
 
 
-def reference(kv_heads: int) -> dict:
+def reference(name: str) -> dict:
     """One rank, the whole row, the shift inside `token_logprobs_and_entropy` (the pre-CP trainer path)."""
-    model = tiny_model(kv_heads)
+    model = tiny_model(name)
     batch = ragged_batch(model.config.vocab_size)
     logprobs, entropy = token_logprobs_and_entropy(model(input_ids=batch["input_ids"]).logits, batch["input_ids"])
     batch = with_inference_logprobs(batch, logprobs)
@@ -130,12 +146,25 @@ def test_logprobs_of_labels_equals_shift_inside_version():
 
 
 def test_enable_ulysses_refuses_heads_not_divisible_by_cp_and_leaves_cp1_alone():
-    model = tiny_model(2)
+    model = tiny_model("qwen3-kv2")
     three = SimpleNamespace(size=lambda: 3, get_group=lambda: pytest.fail("refused before using the group"))
     with pytest.raises(RecipeError, match=r"^trainer\.cp: cp=3 must divide the model's 4 attention heads"):
         enable_ulysses(model, three)
     assert enable_ulysses(model, SimpleNamespace(size=lambda: 1)) is None
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_check_context_parallel_refuses_sliding_window_and_sparse_attention():
+    from transformers import GlmMoeDsaConfig, Qwen3Config
+
+    check_context_parallel(tiny_config("deepseek-v3"), 4)  # MLA: accepted
+    check_context_parallel(GlmMoeDsaConfig(num_attention_heads=4), 1)  # anything goes without cp
+    with pytest.raises(RecipeError, match=r"^trainer\.cp: .*DeepSeek sparse attention \(glm_moe_dsa"):
+        check_context_parallel(GlmMoeDsaConfig(num_attention_heads=4), 2)
+    sliding = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, use_sliding_window=True,
+                          sliding_window=8, max_window_layers=0)
+    with pytest.raises(RecipeError, match=r"^trainer\.cp: .*sliding-window"):
+        check_context_parallel(sliding, 2)
 
 
 # ---- cp = 2 on gloo vs one rank -------------------------------------------------------------------
@@ -153,15 +182,15 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = build_mesh(ParallelDims(1, 1, world, 1, 1, world), torch.device("cpu"))
     results = {}
-    for kv in KV_HEADS:
-        model = tiny_model(kv)
-        name = enable_ulysses(model, mesh["cp"])
-        assert model.config._attn_implementation == name
+    for name in MODELS:
+        model = tiny_model(name)
+        impl = enable_ulysses(model, mesh["cp"])
+        assert model.config._attn_implementation == impl
         ref_batch = ragged_batch(model.config.vocab_size)
         length = ref_batch["input_ids"].shape[1]
         # the sampler's logprobs are data: take them from a one-rank forward, as the reference does
         with torch.no_grad():
-            plain = tiny_model(kv)
+            plain = tiny_model(name)
             lp_full, _ = token_logprobs_and_entropy(plain(input_ids=ref_batch["input_ids"]).logits, ref_batch["input_ids"])
         batch = next_token_targets(with_inference_logprobs(ref_batch, lp_full))
         num_tokens = float(batch["loss_mask"].sum())
@@ -185,7 +214,7 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         for n, p in model.named_parameters():
             dist.all_reduce(p.grad, group=group)
             grads[n] = p.grad
-        results[kv] = {"loss": total, "logprobs": gathered[0], "entropy": gathered[1], "grads": grads}
+        results[name] = {"loss": total, "logprobs": gathered[0], "entropy": gathered[1], "grads": grads}
     if rank == 0:
         torch.save(results, Path(out_dir) / "cp.pt")
     dist.barrier()
@@ -220,15 +249,15 @@ def test_ulysses_cp2_matches_one_rank(tmp_path):
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
     got = torch.load(tmp_path / "cp.pt")
-    for kv in KV_HEADS:
-        ref, cp = reference(kv), got[kv]
+    for name in MODELS:
+        ref, cp = reference(name), got[name]
         figures = {  # every position, padding included: causal attention over the whole padded row
             "loss": _rel(cp["loss"], ref["loss"]),
             "logprobs": _rel(cp["logprobs"], ref["logprobs"]),
             "entropy": _rel(cp["entropy"], ref["entropy"]),
             "grads": max(_rel(cp["grads"][n], g) for n, g in ref["grads"].items()),
         }
-        print(f"kv_heads={kv} cp=2 vs 1 rank, max relative deviation: {figures}")
+        print(f"{name} cp=2 vs 1 rank, max relative deviation: {figures}")
         assert all(v <= REL_TOL for v in figures.values()), figures
         assert float(ref["loss"]) != 0.0 and all(g.abs().max() > 0 for g in ref["grads"].values())
 

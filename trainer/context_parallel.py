@@ -13,9 +13,10 @@ except attention, so only attention needs the other ranks:
   attention kernels that return the log-sum-exp (flash / efficient / cuDNN on GPUs). torch 2.13's
   `torch.distributed.tensor.experimental.context_parallel` is such a ring implementation, but it
   only dispatches the GPU SDPA ops (`aten._scaled_dot_product_{flash,efficient,cudnn}_attention`);
-  the CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`) is not among them, so on CPU/gloo
-  it does not shard attention. Ring attention is therefore not offered (no `trainer.cp_impl` key);
-  Ulysses is the one context-parallel attention, on every device.
+  the CPU kernel is not among them: on CPU/gloo it fails with "Operator
+  aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+  registered". Ring attention is therefore not offered (no `trainer.cp_impl` key); Ulysses is the
+  one context-parallel attention, on every device.
 
 The data side: `next_token_targets` shifts the per-token targets on the *full* sequence (labels
 `input_ids[t+1]`), so that after `shard_sequence` every rank scores its own positions with
@@ -23,7 +24,13 @@ The data side: `next_token_targets` shifts the per-token targets on the *full* s
 
 GQA: query heads must be divisible by cp (else `trainer.cp` is refused); key/value heads that are not
 are repeated by the smallest factor that makes them divisible (at most up to the query heads) before
-the exchange, which costs some all-to-all volume but no accuracy.
+the exchange, which costs some all-to-all volume but no accuracy. MLA (DeepSeek-V3) works as is: its
+expanded q, k, v reach the attention function as ordinary heads (v with its own head size).
+Refused with cp > 1: sliding-window layers, and DeepSeek sparse attention (GLM-5, DeepSeek-V3.2):
+its indexer scores every query against all keys of the layer *before* the attention function and
+builds a dense [B, T, T] top-k mask, so it would need the indexer's keys gathered and the mask
+exchanged; transformers' DSA path materialises that T x T mask anyway, which long sequences cannot
+afford (a sparse-indexer kernel is the way there).
 """
 from __future__ import annotations
 
@@ -156,13 +163,21 @@ def ulysses_attention(
     return _heads_to_sequence(out, cp, group).transpose(1, 2).contiguous(), None
 
 
-def _check_heads(config, cp: int) -> None:
+def check_context_parallel(config, cp: int) -> None:
+    """Refuse (RecipeError, `trainer.cp`) a cp > 1 this implementation cannot run for a transformers
+    config: needs no weights or process group, so start-up validation can run it on the meta device."""
+    if cp == 1:
+        return
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
     if heads % cp:
         raise RecipeError(f"cp={cp} must divide the model's {heads} attention heads (Ulysses splits heads)", "trainer.cp")
-    layer_types = getattr(config, "layer_types", None) or ()
-    if "sliding_attention" in layer_types:
-        raise RecipeError("context parallelism supports full causal attention only; the model has sliding-window layers", "trainer.cp")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise RecipeError("context parallelism supports full causal attention only; the model has sliding-window "
+                          "layers (allowed: cp = 1)", "trainer.cp")
+    if getattr(config, "index_topk", None) is not None:
+        raise RecipeError(f"context parallelism does not support DeepSeek sparse attention ({config.model_type}: its "
+                          "indexer needs every key of the sequence; allowed: cp = 1)", "trainer.cp")
 
 
 def enable_ulysses(model, cp_mesh) -> str | None:
@@ -173,14 +188,14 @@ def enable_ulysses(model, cp_mesh) -> str | None:
     must be called on `shard_sequence` output: this rank's `input_ids` slice *and* its global
     `position_ids`, with no attention mask. Returns the implementation's name; with cp = 1 the model
     is left as it is and None is returned. RecipeError (`trainer.cp`) when cp does not divide the
-    query heads or the model has sliding-window layers.
+    query heads or the model's attention cannot be split (see `check_context_parallel`).
     """
     from transformers import AttentionInterface
 
     cp = cp_mesh.size()
     if cp == 1:
         return None
-    _check_heads(model.config.get_text_config(), cp)
+    check_context_parallel(model.config, cp)
     group = cp_mesh.get_group()
     name = f"rlctl_ulysses_{group.group_name}"
     AttentionInterface.register(name, partial(ulysses_attention, cp=cp, group=group))
