@@ -24,8 +24,9 @@ from rlctl.trainer.loss import importance_ratio_loss, logprobs_of_labels, token_
 
 LOSS_CFG = SimpleNamespace(mask_low=0.125, mask_high=8.0)
 # qwen3-kv2: kv heads divisible by cp; qwen3-kv1: the kv head is repeated before the exchange;
-# deepseek-v3: MLA (q/k and v head sizes differ) and MoE layers
-MODELS = ("qwen3-kv2", "qwen3-kv1", "deepseek-v3")
+# deepseek-v3: MLA (q/k and v head sizes differ) and MoE layers; qwen3-kv2+fsdp: FSDP2-sharded over the
+# trainer's `fsdp` mesh (dp_shard × cp) as the trainer does, Ulysses switched on after sharding
+MODELS = ("qwen3-kv2", "qwen3-kv1", "deepseek-v3", "qwen3-kv2+fsdp")
 REL_TOL = 1e-5
 
 
@@ -36,7 +37,8 @@ def tiny_config(name: str):
 
     if name.startswith("qwen3"):
         cfg = {k: v for k, v in TINY_QWEN3.items() if k not in ("architectures", "model_type", "torch_dtype")}
-        return Qwen3Config(**{**cfg, "num_key_value_heads": int(name[-1])}, attn_implementation="sdpa")
+        kv = int(name.removesuffix("+fsdp")[-1])
+        return Qwen3Config(**{**cfg, "num_key_value_heads": kv}, attn_implementation="sdpa")
     return DeepseekV3Config(
         vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -174,6 +176,7 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     """One cp rank: shard, forward with Ulysses, loss over the global token count, backward; rank 0
     saves the summed loss, the gathered logprobs/entropy and the SUM-reduced gradients."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
 
     from rlctl.trainer.degrees import ParallelDims
     from rlctl.trainer.parallel import build_mesh
@@ -184,6 +187,9 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     results = {}
     for name in MODELS:
         model = tiny_model(name)
+        fsdp = name.endswith("+fsdp")
+        if fsdp:
+            fully_shard(model, mesh=mesh["fsdp"])
         impl = enable_ulysses(model, mesh["cp"])
         assert model.config._attn_implementation == impl
         ref_batch = ragged_batch(model.config.vocab_size)
@@ -199,7 +205,8 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         logprobs, entropy = logprobs_of_labels(logits, local["labels"])
         loss, _ = importance_ratio_loss(logprobs, local["inference_logprobs"], local["advantages"], local["loss_mask"],
                                         LOSS_CFG, num_tokens=num_tokens, entropy=entropy)
-        loss.backward()
+        # FSDP averages gradients over its ranks: scale so the cp ranks' partial gradients add up
+        (loss * world if fsdp else loss).backward()
         group = mesh["cp"].get_group()
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)
@@ -212,8 +219,11 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             gathered.append(torch.cat([full.new_zeros(full.shape[0], 1), full[:, :-1]], dim=1))
         grads = {}
         for n, p in model.named_parameters():
-            dist.all_reduce(p.grad, group=group)
-            grads[n] = p.grad
+            if fsdp:
+                grads[n] = p.grad.full_tensor()
+            else:
+                dist.all_reduce(p.grad, group=group)
+                grads[n] = p.grad
         results[name] = {"loss": total, "logprobs": gathered[0], "entropy": gathered[1], "grads": grads}
     if rank == 0:
         torch.save(results, Path(out_dir) / "cp.pt")
@@ -250,7 +260,7 @@ def test_ulysses_cp2_matches_one_rank(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
     got = torch.load(tmp_path / "cp.pt")
     for name in MODELS:
-        ref, cp = reference(name), got[name]
+        ref, cp = reference(name.removesuffix("+fsdp")), got[name]
         figures = {  # every position, padding included: causal attention over the whole padded row
             "loss": _rel(cp["loss"], ref["loss"]),
             "logprobs": _rel(cp["logprobs"], ref["logprobs"]),

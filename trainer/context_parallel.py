@@ -200,4 +200,6 @@ def enable_ulysses(model, cp_mesh) -> str | None:
     name = f"rlctl_ulysses_{group.group_name}"
     AttentionInterface.register(name, partial(ulysses_attention, cp=cp, group=group))
     model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:  # transformers only warns when it cannot switch
+        raise RuntimeError(f"{type(model).__name__}: could not switch attention to {name!r} for context parallelism")
     return name
