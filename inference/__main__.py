@@ -47,10 +47,10 @@ def _placement(run: RunDir) -> Placement:
 def resolve_model_dir(recipe, run: RunDir) -> str:
     """The checkpoint the server loads first: the built tiny model, a local HF dir, or a hub id."""
     name = recipe.model.name
-    if name == "tiny-qwen3":
-        from rlctl.trainer.tiny_model import build_tiny_model  # no-op when the launcher built it
+    from rlctl.trainer.tiny_model import build_tiny_model, is_tiny_model
 
-        return str(build_tiny_model(run.model, recipe.model.build_seed))
+    if is_tiny_model(name):  # no-op when the launcher built it
+        return str(build_tiny_model(run.model, recipe.model.build_seed, name=name))
     path = Path(name).expanduser()
     if path.is_file() and path.name == "config.json":
         return str(path.parent)

@@ -51,6 +51,36 @@ def parse_samples(response: dict) -> list[Sample]:
     return out
 
 
+def decode_routed_experts(encoded: str):
+    """A choice's `routed_experts` (base64 of a `.npy` array `[rows, layers, top_k]`, uint8/uint16/int32
+    expert ids) as an int16 torch tensor, without going through Python lists."""
+    import base64
+    import io
+
+    import numpy as np
+    import torch
+
+    array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    if array.ndim != 3 or array.dtype.kind not in "iu":
+        raise ValueError(f"routed_experts: expected integer [rows, layers, top_k], got {array.dtype} {array.shape}")
+    return torch.from_numpy(array.astype(np.int16))
+
+
+def routed_experts_payload(routed, prompt_len: int, completion_len: int):
+    """The rollout's `routed_experts` payload: int16 `[prompt_len + completion_len, layers, top_k]`
+    aligned with its input_ids (row t = the experts token t was routed to, per layer), -1 where vLLM
+    reported none. vLLM reports rows for tokens 0 .. P + C - 2 (request option routed_experts_prompt_start
+    = 0): the last sampled token is never run through the model, so its row stays -1."""
+    import torch
+
+    total = prompt_len + completion_len
+    if routed.shape[0] > max(total - 1, 0):
+        raise ValueError(f"routed_experts has {routed.shape[0]} rows for {total} tokens (expected <= {total - 1})")
+    payload = torch.full((total, *routed.shape[1:]), -1, dtype=torch.int16)
+    payload[: routed.shape[0]] = routed
+    return payload
+
+
 def prompt_logprobs_of(response: dict, choice: int = 0) -> list[float | None]:
     """Per prompt token, the logprob of the actual prompt token (None for the first position)."""
     c = response["choices"][choice]

@@ -54,10 +54,27 @@ def gpu_only_features(recipe) -> list[tuple[str, str]]:
     return found
 
 
-def validate_features(recipe, target: Target, has_module: Callable[[str], bool] = _module_available) -> None:
+def triton_has_cpu_backend() -> bool:
+    """Whether the installed Triton has a CPU backend (triton-cpu): vLLM's Model Runner V2, the only one
+    that returns routed experts, needs it on CPU. PyPI's triton wheel has GPU backends only."""
+    if not _module_available("triton"):
+        return False
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "cpu" in backends
+
+
+def validate_features(recipe, target: Target, has_module: Callable[[str], bool] = _module_available,
+                      triton_cpu: Callable[[], bool] = triton_has_cpu_backend) -> None:
     """Raise RecipeError (one line naming the key) if the recipe cannot be served on `target`."""
     if target not in ("cpu", "gpu"):
         raise RecipeError(f"unknown inference target {target!r} (allowed: cpu, gpu)")
+    if recipe.trainer.router_replay and target == "cpu" and not triton_cpu():
+        raise RecipeError("router replay needs vLLM to return routed experts, which on CPU needs Model Runner V2 and "
+                          "a Triton with a CPU backend (triton-cpu; not installed) — set it off or serve on GPUs",
+                          "trainer.router_replay")
     inf = recipe.inference
     features = gpu_only_features(recipe)
     if target == "cpu" and features:
@@ -178,6 +195,8 @@ def render_server_command(
     ]
     if inf.enforce_eager:
         cmd.append("--enforce-eager")
+    if recipe.trainer.router_replay:  # the experts each token was routed to come back with the completion
+        cmd.append("--enable-return-routed-experts")
     if target == "cpu":
         return cmd
     cmd += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
@@ -218,6 +237,8 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
         # this long for its engine: never longer than the recipe lets a server start.
         "VLLM_ENGINE_READY_TIMEOUT_S": str(max(1, math.ceil(recipe.inference.startup_timeout_s))),
     }
+    if recipe.trainer.router_replay:  # vLLM returns routed experts only from Model Runner V2
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if target == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(recipe.inference.kv_cache_gib_cpu)))
     return env

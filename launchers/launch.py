@@ -167,6 +167,7 @@ def manifest(run: RunDir, name: str, scheduler: str, attempt: int, recipe, place
         "plan": {"trainer_nodes": placement.trainer_nodes, "inference_nodes": placement.inference_nodes,
                  "trainer_world_size": placement.trainer_world_size,
                  "inference_servers": placement.inference_servers, "orchestrator": placement.orchestrator,
+                 "trainer_degrees": placement.trainer_degrees,
                  "cluster": recipe.cluster.profile},
         "placement": placement.to_dict(),
         "rlctl_version": _version(),
@@ -236,6 +237,7 @@ def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = Fa
     private_dir(run.attempt_logs(attempt))
     name = run.root.name
     result = LaunchResult(run, name, profile.scheduler, attempt, groups, dry_run=dry_run)
+    result.extra["trainer_degrees"] = placement.trainer_degrees  # the plan's, the trainer builds its mesh from them
     info = manifest(run, name, profile.scheduler, attempt, recipe, placement, groups, refs, previous=previous)
 
     def commit(rewind: bool = True) -> None:  # from here on the run is the new attempt's
@@ -326,7 +328,7 @@ def _slurm(cmd: list[str]) -> str:
 
 
 def _maybe_build_model(run: RunDir, recipe) -> None:
-    if recipe.model.name == "tiny-qwen3":
-        from rlctl.trainer.tiny_model import build_tiny_model
+    from rlctl.trainer.tiny_model import build_tiny_model, is_tiny_model
 
-        build_tiny_model(run.model, seed=recipe.model.build_seed)
+    if is_tiny_model(recipe.model.name):
+        build_tiny_model(run.model, seed=recipe.model.build_seed, name=recipe.model.name)

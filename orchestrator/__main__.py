@@ -160,6 +160,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
             log(f"collecting batches {start_step}..{end_step - 1} via {router_url}")
             settings = LoopSettings.from_config(cfg, start_step=start_step)
             settings.max_steps = end_step - start_step
+            settings.routed_experts = recipe.trainer.router_replay  # payload.routed_experts in every batch
             loop = RolloutLoop(settings, env, router_url, api_key, policy, FilesystemBatchWriter(run.rollouts),
                                rng=rng, on_batch=on_batch, before_write=save_progress)
             await _until_first(loop.run(), watch_task, guard_task)

@@ -76,6 +76,12 @@ def build_batch_tensors(groups: list[Group], step: int) -> dict:
     }
     names = {name for r, _ in rollouts for name in r.payload}
     for name in sorted(names):
-        # Opaque payloads are stacked as tensors (never turned into Python lists); every sample must have one.
-        tensors[f"payload.{name}"] = torch.stack([r.payload[name] for r, _ in rollouts])
+        # Opaque payloads are stacked as tensors (never turned into Python lists); every sample must have
+        # one. Per-token payloads (e.g. routed_experts [T_i, layers, top_k]) differ in length along dim 0:
+        # they are right-padded with -1 to the longest, like the rows they align with.
+        parts = [r.payload[name] for r, _ in rollouts]
+        longest = max(p.shape[0] for p in parts)
+        parts = [p if p.shape[0] == longest else torch.cat([p, p.new_full((longest - p.shape[0], *p.shape[1:]), -1)])
+                 for p in parts]
+        tensors[f"payload.{name}"] = torch.stack(parts)
     return tensors

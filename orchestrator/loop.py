@@ -34,7 +34,7 @@ import aiohttp
 from rlctl.orchestrator.advantages import group_advantages, is_stale, min_policy_version
 from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
 from rlctl.orchestrator.environments import Environment, Prompt
-from rlctl.inference.client import policy_cache_salt
+from rlctl.inference.client import decode_routed_experts, policy_cache_salt, routed_experts_payload
 from rlctl.inference.server import SERVED_MODEL_NAME
 from rlctl.orchestrator.exchange.batches import BatchWriter
 
@@ -71,6 +71,7 @@ class LoopSettings:
     normalize_std: bool = False
     request_retries: int = 3
     request_timeout_s: float = 3600.0
+    routed_experts: bool = False  # router replay: keep the experts inference routed each token to
 
     @classmethod
     def from_config(cls, cfg, start_step: int = 0) -> "LoopSettings":
@@ -193,6 +194,8 @@ class RolloutLoop:
             self._wake.set()
 
     async def _stream(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
+        if self.s.routed_experts:
+            return await self._whole(session, group_id, prompt)
         version = self.policy.version
         G = self.s.group_size
         rollouts = [Rollout(group_id, i, start_version=version) for i in range(G)]
@@ -236,6 +239,44 @@ class RolloutLoop:
                         r.finish_reason = choice["finish_reason"]
             if not done or any(r.finish_reason is None or not r.prompt_ids for r in rollouts):
                 raise ValueError("stream ended before every completion finished")
+        return rollouts
+
+    async def _whole(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
+        """One non-streamed request: vLLM returns `routed_experts` only on whole completions. Every token
+        is tagged with the version current when the request was sent (never newer than the truth,
+        so the off-policy bound still holds; a streamed rollout's oldest tag is the same version)."""
+        version = self.policy.version
+        body = {
+            "model": SERVED_MODEL_NAME, "prompt": prompt.text, "n": self.s.group_size, "max_tokens": self.s.max_tokens,
+            "temperature": self.s.temperature, "top_p": 1.0, "logprobs": 0, "return_token_ids": True,
+            "cache_salt": policy_cache_salt(version), "routed_experts_prompt_start": 0,
+        }
+        timeout = aiohttp.ClientTimeout(total=self.s.request_timeout_s)
+        headers = {**self.headers, "X-Request-Id": f"rlctl-g{group_id}"}
+        async with session.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=timeout) as resp:
+            if resp.status >= 400:
+                text = (await resp.text())[:300]
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=text)
+            response = await resp.json()
+        choices = sorted(response.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != self.s.group_size:
+            raise ValueError(f"response has {len(choices)} choices for n = {self.s.group_size}")
+        rollouts = []
+        for choice in choices:
+            r = Rollout(group_id, choice["index"], start_version=version)
+            r.prompt_ids = list(choice.get("prompt_token_ids") or [])
+            r.completion_ids = list(choice.get("token_ids") or [])
+            r.logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+            if not r.prompt_ids or len(r.logprobs) != len(r.completion_ids) or not choice.get("finish_reason"):
+                raise ValueError(f"choice {r.index}: incomplete (prompt ids, one logprob per token, finish reason)")
+            if not choice.get("routed_experts"):
+                raise ValueError("the server returned no routed_experts (router replay needs an MoE model served "
+                                 "with --enable-return-routed-experts)")
+            routed = decode_routed_experts(choice["routed_experts"])
+            r.payload["routed_experts"] = routed_experts_payload(routed, len(r.prompt_ids), len(r.completion_ids))
+            r.versions = [version] * len(r.completion_ids)
+            r.text, r.finish_reason = choice.get("text") or "", choice["finish_reason"]
+            rollouts.append(r)
         return rollouts
 
     # ---- collector -------------------------------------------------------------------------------

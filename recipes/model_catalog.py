@@ -49,9 +49,9 @@ PUBLISHED_PARAMS: dict[str, tuple[float, float]] = {
     "deepseek-v3": (671e9, 37e9), "kimi-k2": (1.04e12, 32.6e9), "glm-5": (744e9, 40e9),
 }
 
-try:  # the tiny demo model lives with the trainer; register it once that module exists
-    from rlctl.trainer.tiny_model import TINY_QWEN3 as _TINY
+try:  # the tiny demo models live with the trainer; register them once that module exists
+    from rlctl.trainer.tiny_model import TINY_MODELS as _TINY
 except ImportError:  # pragma: no cover - only while the trainer package is incomplete
-    _TINY = None
-if _TINY is not None:
-    CATALOG["tiny-qwen3"] = dict(_TINY)
+    _TINY = {}
+for _name, _config in _TINY.items():  # tiny-qwen3, tiny-qwen3-moe
+    CATALOG[_name] = dict(_config)

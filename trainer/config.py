@@ -66,6 +66,11 @@ class TrainerConfig(StrictModel):
     """Optimizer settings."""
     loss: LossConfig = LossConfig()
     """Loss settings."""
+    router_replay: bool = False
+    """Router replay (R3) for MoE models: inference returns the experts it routed each token to, the
+    orchestrator stores them in the rollout batch (`payload.routed_experts`, int16 `[T, layers, top_k]`
+    per rollout, -1 where unknown) and the trainer's routers use them instead of recomputing their top-k
+    (a smaller trainer/inference mismatch)."""
     batch_timeout_s: Seconds = 3600.0
     """Seconds the trainer waits for the orchestrator's next rollout batch before failing."""
 

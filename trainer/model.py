@@ -6,25 +6,26 @@ from pathlib import Path
 
 from rlctl.recipes.errors import RecipeError
 
-TINY_NAME = "tiny-qwen3"
+TINY_NAME = "tiny-qwen3"  # the dense default; `tiny_model.TINY_MODELS` lists every built-in tiny model
 
 
 def resolve_model_dir(run, recipe, wait_s: float = 300.0) -> Path:
-    """`<run>/model` for the built-in tiny model, else `model.name` as a local HF directory.
+    """`<run>/model` for a built-in tiny model (tiny-qwen3, tiny-qwen3-moe), else `model.name` as a
+    local HF directory.
 
     The launcher builds the tiny model before starting components; if it is missing (a component
     started by hand) rank 0 builds it and the other ranks wait for its marker.
     """
     import os
 
-    from rlctl.trainer.tiny_model import BUILD_MARKER, build_tiny_model
+    from rlctl.trainer.tiny_model import BUILD_MARKER, build_tiny_model, is_tiny_model
 
     name = recipe.model.name
-    if name == TINY_NAME:
+    if is_tiny_model(name):
         out = run.model
         if not (out / BUILD_MARKER).exists():
             if int(os.environ.get("RANK", "0")) == 0:
-                build_tiny_model(out, seed=recipe.model.build_seed)
+                build_tiny_model(out, seed=recipe.model.build_seed, name=name)
             else:
                 deadline = time.monotonic() + wait_s
                 while not (out / BUILD_MARKER).exists():

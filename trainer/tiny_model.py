@@ -1,9 +1,11 @@
-"""A tiny Qwen3 with a character-level tokenizer, built offline and deterministically from a seed.
+"""A tiny Qwen3 (dense, and a Qwen3-MoE variant) with a character-level tokenizer, built offline and
+deterministically from a seed.
 
-The CPU recipes use it so that the whole stack (vLLM, router, FSDP2 trainer) runs on a laptop with no
-model hub. `TINY_QWEN3` is the config.json of the model as a pure dict (the model catalog reads it
-without importing torch); `build_tiny_model` writes a Hugging Face directory that both transformers and
-vLLM load: config.json, model.safetensors, tokenizer files.
+The CPU recipes use them so that the whole stack (vLLM, router, FSDP2 trainer) runs on a laptop with no
+model hub. `TINY_QWEN3` / `TINY_QWEN3_MOE` are the config.json of the models as pure dicts (the model
+catalog reads them without importing torch); `build_tiny_model` writes a Hugging Face directory that
+both transformers and vLLM load: config.json, model.safetensors (checkpoint names, e.g. one tensor per
+expert), tokenizer files.
 """
 from __future__ import annotations
 
@@ -49,6 +51,25 @@ TINY_QWEN3: dict = {
     "torch_dtype": "float32",
 }
 
+# The MoE variant: every layer sparse, 8 experts, top-2 (what vLLM's fused-MoE CPU path serves and the
+# trainer's expert parallelism shards). Router weights are drawn with the same std as the others.
+TINY_QWEN3_MOE: dict = {
+    **{k: v for k, v in TINY_QWEN3.items() if k not in ("max_window_layers",)},
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.0,
+    "output_router_logits": False,
+}
+
+TINY_MODELS: dict[str, dict] = {"tiny-qwen3": TINY_QWEN3, "tiny-qwen3-moe": TINY_QWEN3_MOE}
+"""`model.name` of each built-in tiny model -> its config.json."""
+
 BUILD_MARKER = "BUILT.json"  # written last: its presence means the directory is whole
 
 
@@ -83,12 +104,17 @@ def _write_weights(out: Path, seed: int, cfg: dict) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from transformers.core_model_loading import revert_weight_conversion
+
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     # Seeded CPU init on a fresh generator state: the same seed gives bit-identical weights.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {k: v.detach() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    # transformers keeps MoE experts fused in memory; the file holds the checkpoint names vLLM loads
+    # (`mlp.experts.{e}.gate_proj.weight`, ...), as `save_pretrained` writes them (no-op for dense).
+    state = {k: v.contiguous() for k, v in revert_weight_conversion(model, state).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -103,8 +129,15 @@ def _is_built(out: Path, seed: int, cfg: dict) -> bool:
     return info.get("seed") == seed and info.get("config") == cfg and info.get("charset") == CHARSET
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, overrides: dict | None = None) -> Path:
-    """Write the tiny model into `out_dir` (idempotent; rebuilt if the seed or the config changed).
+def is_tiny_model(name: str) -> bool:
+    """Whether `model.name` names a built-in tiny model (built into the run dir, not read from disk)."""
+    return name in TINY_MODELS
+
+
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, overrides: dict | None = None,
+                     name: str = "tiny-qwen3") -> Path:
+    """Write the tiny model `name` (a key of TINY_MODELS) into `out_dir` (idempotent; rebuilt if the
+    seed or the config changed).
 
     `overrides` replaces config fields (e.g. a wider/deeper variant for benchmarks; the vocabulary
     stays the character set's).
@@ -113,7 +146,7 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, overrides: dict 
     last, so a concurrent reader never loads a half-written model.
     """
     out = Path(out_dir)
-    cfg = {**TINY_QWEN3, **(overrides or {})}
+    cfg = {**TINY_MODELS[name], **(overrides or {})}
     if _is_built(out, seed, cfg):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,5 +181,8 @@ def parameter_count(config: dict | None = None) -> int:
     h, i, v, d = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     attn = h * q + 2 * h * kv + q * h + 2 * d  # q, k, v, o projections + q_norm/k_norm
-    layer = attn + 3 * h * i + 2 * h  # MLP gate/up/down + two RMSNorms
+    mlp = 3 * h * i  # gate/up/down
+    if c.get("num_experts"):  # every layer sparse (decoder_sparse_step 1): router + per-expert MLPs
+        mlp = c["num_experts"] * (h + 3 * h * c["moe_intermediate_size"])
+    layer = attn + mlp + 2 * h  # + two RMSNorms
     return v * h + c["num_hidden_layers"] * layer + h

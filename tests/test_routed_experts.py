@@ -1,0 +1,241 @@
+"""Router replay's data path: the tiny MoE (built offline, checkpoint names vLLM loads), vLLM's routed
+experts decoded into an int16 tensor aligned with the rollout's input_ids (-1 where unknown), stored as
+the rollout payload and stacked into `payload.routed_experts` [B, T, layers, top_k]; and the real vLLM
+CPU server on the tiny MoE (fused-MoE path, logprobs equal to transformers')."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+from rlctl.inference.client import decode_routed_experts, routed_experts_payload  # noqa: E402
+from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors  # noqa: E402
+from rlctl.recipes.errors import RecipeError  # noqa: E402
+from rlctl.trainer import tiny_model  # noqa: E402
+from rlctl.trainer.tiny_model import TINY_QWEN3_MOE, build_tiny_model  # noqa: E402
+
+LAYERS, TOP_K, EXPERTS = TINY_QWEN3_MOE["num_hidden_layers"], TINY_QWEN3_MOE["num_experts_per_tok"], 8
+
+
+def encode(array) -> str:
+    """What vLLM's `numpy2base64` sends: base64 of the array's `.npy` bytes."""
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _recipe(*overrides):
+    from rlctl.recipes.load import load_recipe
+
+    return load_recipe(["tiny-moe-cpu"], list(overrides))
+
+
+# ---- the tiny MoE --------------------------------------------------------------------------------------
+
+def test_moe_build_is_deterministic_and_writes_one_tensor_per_expert(tmp_path):
+    from safetensors.torch import load_file
+
+    a = build_tiny_model(tmp_path / "a", seed=0, name="tiny-qwen3-moe")
+    b = build_tiny_model(tmp_path / "b", seed=0, name="tiny-qwen3-moe")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert json.loads((a / "config.json").read_text()) == TINY_QWEN3_MOE
+    state = load_file(a / "model.safetensors")
+    assert "lm_head.weight" not in state  # tied, as tiny-qwen3
+    for layer in range(LAYERS):
+        assert state[f"model.layers.{layer}.mlp.gate.weight"].shape == (EXPERTS, 64)
+        for e in range(EXPERTS):
+            for proj, shape in (("gate_proj", (64, 64)), ("up_proj", (64, 64)), ("down_proj", (64, 64))):
+                assert state[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"].shape == shape
+    assert not [k for k in state if "gate_up_proj" in k or k.endswith("experts.down_proj")]  # nothing fused
+    assert sum(t.numel() for t in state.values()) == tiny_model.parameter_count(TINY_QWEN3_MOE)
+
+
+def test_moe_loads_in_transformers_with_the_same_weights(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = build_tiny_model(tmp_path / "m", seed=0, name="tiny-qwen3-moe")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    state = load_file(out / "model.safetensors")
+    experts = model.model.layers[1].mlp.experts  # fused in memory: gate_up [E, 2I, H], down [E, H, I]
+    for e in range(EXPERTS):
+        assert torch.equal(experts.gate_up_proj[e, :64], state[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"])
+        assert torch.equal(experts.gate_up_proj[e, 64:], state[f"model.layers.1.mlp.experts.{e}.up_proj.weight"])
+        assert torch.equal(experts.down_proj[e], state[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
+    assert torch.equal(model.model.layers[0].mlp.gate.weight, state["model.layers.0.mlp.gate.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+
+
+def test_moe_is_in_the_catalog_and_the_recipe_plans():
+    from rlctl.recipes.model_catalog import CATALOG
+    from rlctl.recipes.plan import plan
+
+    assert CATALOG["tiny-qwen3-moe"] == TINY_QWEN3_MOE
+    assert tiny_model.is_tiny_model("tiny-qwen3-moe") and not tiny_model.is_tiny_model("qwen3-30b-a3b")
+    recipe = _recipe()
+    assert (recipe.model.name, recipe.trainer.ep, recipe.trainer.router_replay) == ("tiny-qwen3-moe", 2, True)
+    report = plan(recipe)
+    assert report.disk["router_replay_bytes_per_batch"] == 512 * 64 * LAYERS * TOP_K * 2  # int16 ids
+
+
+# ---- decoding and alignment ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_decode_gives_int16_tensor_with_the_same_ids(dtype):
+    array = np.random.default_rng(0).integers(0, EXPERTS, size=(9, LAYERS, TOP_K)).astype(dtype)
+    routed = decode_routed_experts(encode(array))
+    assert routed.dtype == torch.int16 and routed.shape == (9, LAYERS, TOP_K)
+    assert torch.equal(routed, torch.from_numpy(array.astype(np.int64)).to(torch.int16))
+
+
+def test_decode_refuses_what_is_not_integer_rows_layers_topk():
+    with pytest.raises(ValueError, match="routed_experts"):
+        decode_routed_experts(encode(np.zeros((4, 2), dtype=np.uint8)))
+    with pytest.raises(ValueError, match="routed_experts"):
+        decode_routed_experts(encode(np.zeros((4, 2, 2), dtype=np.float32)))
+
+
+def test_payload_rows_align_with_input_ids_and_the_last_token_is_unknown():
+    prompt, completion = 4, 3  # vLLM reports rows for tokens 0 .. P + C - 2
+    routed = torch.arange((prompt + completion - 1) * LAYERS * TOP_K, dtype=torch.int16).view(-1, LAYERS, TOP_K)
+    payload = routed_experts_payload(routed, prompt, completion)
+    assert payload.shape == (prompt + completion, LAYERS, TOP_K) and payload.dtype == torch.int16
+    assert torch.equal(payload[:-1], routed)
+    assert (payload[-1] == -1).all()
+    short = routed_experts_payload(routed[:2], prompt, completion)  # e.g. an aborted request: rest unknown
+    assert torch.equal(short[:2], routed[:2]) and (short[2:] == -1).all()
+    with pytest.raises(ValueError, match="rows"):
+        routed_experts_payload(torch.zeros(prompt + completion, LAYERS, TOP_K, dtype=torch.int16), prompt, completion)
+
+
+def _rollout(group: int, index: int, prompt: int, completion: int, fill: int) -> Rollout:
+    r = Rollout(group, index, prompt_ids=[1] * prompt, completion_ids=[5] * completion,
+                logprobs=[-0.5] * completion, versions=[0] * completion)
+    routed = torch.full((prompt + completion - 1, LAYERS, TOP_K), fill, dtype=torch.int16)
+    r.payload["routed_experts"] = routed_experts_payload(routed, prompt, completion)
+    return r
+
+
+def test_batch_stacks_payloads_of_different_lengths_padded_with_minus_one():
+    rollouts = [_rollout(0, 0, 3, 2, fill=1), _rollout(0, 1, 3, 5, fill=2)]
+    tensors = build_batch_tensors([Group(0, None, rollouts, advantages=[0.5, -0.5])], step=0)
+    routed = tensors["payload.routed_experts"]
+    T = tensors["input_ids"].shape[1]
+    assert routed.shape == (2, T, LAYERS, TOP_K) and routed.dtype == torch.int16 and T == 8
+    assert (routed[0, :4] == 1).all() and (routed[0, 4:] == -1).all()  # 5 tokens: last one and padding
+    assert (routed[1, :7] == 2).all() and (routed[1, 7:] == -1).all()
+    # a known row exactly where attention_mask is on, minus each rollout's last token
+    known = (routed != -1).all(-1).all(-1)
+    last = tensors["attention_mask"].sum(1) - 1
+    expected = tensors["attention_mask"].clone()
+    expected[torch.arange(2), last] = False
+    assert torch.equal(known, expected)
+
+
+# ---- the rollout loop asks for whole completions and stores the payload ---------------------------------
+
+def test_loop_stores_routed_experts_of_each_choice(tmp_path):
+    aiohttp = pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    from rlctl.orchestrator.environments import load_environment
+    from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
+
+    seen = []
+
+    async def completions(request):
+        body = await request.json()
+        seen.append(body)
+        prompt = [1] + [4 + (ord(c) % 30) for c in body["prompt"]]
+        choices = []
+        for i in range(body["n"]):
+            completion = [7] * (1 + i % body["max_tokens"])
+            rows = len(prompt) + len(completion) - 1
+            routed = (np.arange(rows * LAYERS * TOP_K) % EXPERTS + i).reshape(rows, LAYERS, TOP_K).astype(np.uint8)
+            choices.append({"index": i, "text": "x" * len(completion), "finish_reason": "length",
+                            "prompt_token_ids": prompt, "token_ids": completion,
+                            "logprobs": {"token_logprobs": [-1.0] * len(completion)},
+                            "routed_experts": encode(routed)})
+        return web.json_response({"choices": choices})
+
+    class Writer:
+        def __init__(self):
+            self.batches = {}
+
+        def write(self, step, tensors, meta):
+            self.batches[step] = tensors
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        settings = LoopSettings(rollouts_per_step=8, group_size=4, max_tokens=3, max_off_policy_steps=1,
+                                max_in_flight=8, routed_experts=True)
+        env = load_environment("sequence", {"alphabets": ["digits"], "strides": [1], "prompt_len": 3,
+                                            "target_len": 2})
+        writer = Writer()
+        loop = RolloutLoop(settings, env, f"http://127.0.0.1:{port}", None, PolicyVersion(0), writer,
+                           rng=random.Random(0))
+        try:
+            await asyncio.wait_for(loop.run(), 60)
+        finally:
+            await runner.cleanup()
+        return writer.batches
+
+    batches = asyncio.run(main())
+    assert all("stream" not in body and body["routed_experts_prompt_start"] == 0 for body in seen)
+    tensors = batches[0]
+    routed = tensors["payload.routed_experts"]
+    B, T = tensors["input_ids"].shape
+    assert routed.shape == (B, T, LAYERS, TOP_K) and routed.dtype == torch.int16
+    lengths = tensors["attention_mask"].sum(1)
+    for b in range(B):
+        n = int(lengths[b])
+        assert (routed[b, : n - 1] >= 0).all() and (routed[b, n - 1 :] == -1).all()
+    assert (tensors["policy_version"][tensors["loss_mask"]] == 0).all()
+
+
+# ---- server flags ---------------------------------------------------------------------------------------
+
+def test_router_replay_turns_on_routed_experts_in_the_server():
+    from pathlib import Path
+
+    from rlctl.inference.server import render_server_command, server_env
+    from rlctl.orchestrator.exchange.placement import Placement
+
+    placement = Placement(1, 1, 1, 1, 0, "inference_node")
+
+    def gpu_command(recipe):
+        return render_server_command(recipe, placement, "gpu", model_dir="m", host="h", port=1,
+                                     has_module=lambda m: True)
+
+    on, off = _recipe(), _recipe("trainer.router_replay=false")
+    assert "--enable-return-routed-experts" in gpu_command(on)
+    assert "--enable-return-routed-experts" not in gpu_command(off)
+    # vLLM returns routed experts only from Model Runner V2
+    assert server_env(on, "gpu", Path("run"), "a", "b")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env(off, "gpu", Path("run"), "a", "b")
+
+
+def test_router_replay_on_cpu_without_triton_cpu_is_refused_naming_the_key():
+    from rlctl.inference.server import validate_features
+
+    with pytest.raises(RecipeError) as err:
+        validate_features(_recipe(), "cpu", lambda m: True, triton_cpu=lambda: False)
+    assert err.value.key == "trainer.router_replay" and "triton" in str(err.value).lower()
+    validate_features(_recipe(), "cpu", lambda m: True, triton_cpu=lambda: True)
+    validate_features(_recipe("trainer.router_replay=false"), "cpu", lambda m: True, triton_cpu=lambda: False)
+
