@@ -239,3 +239,121 @@ def test_router_replay_on_cpu_without_triton_cpu_is_refused_naming_the_key():
     validate_features(_recipe(), "cpu", lambda m: True, triton_cpu=lambda: True)
     validate_features(_recipe("trainer.router_replay=false"), "cpu", lambda m: True, triton_cpu=lambda: False)
 
+
+
+# ---- the real vLLM CPU server on the tiny MoE -----------------------------------------------------------
+
+PROMPT = [1] + list(range(4, 24))  # <bos> then 20 characters of the tiny vocabulary
+START_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory):
+    """`python -m rlctl.inference` on tiny-qwen3-moe, as the launchers start it; routed experts on where
+    this vLLM can return them (a Triton CPU backend), else off (the recipe would be refused)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("vllm")
+    from e2e_checks import leftover_processes
+    from rlctl.inference.server import triton_has_cpu_backend
+    from rlctl.orchestrator.exchange.files import atomic_write_json
+    from rlctl.orchestrator.exchange.layout import RunDir
+
+    routed = triton_has_cpu_backend()
+    root = tmp_path_factory.mktemp("moe-inference")
+    run = RunDir(root / "run")
+    run.create()
+    recipe = _recipe(f"trainer.router_replay={str(routed).lower()}")
+    atomic_write_json(run.recipe_json, recipe.model_dump(mode="json"))
+    run.admin_token(create=True)
+    run.api_key(create=True)
+    log = root / "inference.log"
+    env = {**os.environ, "RLCTL_RUN_DIR": str(run.root), "RLCTL_BIND_HOST": "127.0.0.1", "RLCTL_SERVER_INDEX": "0",
+           "RLCTL_GROUP": "inference", "RLCTL_ATTEMPT": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlctl.inference", "--run-dir", str(run.root)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    announcement = run.services / "inference" / "0.json"
+    started = time.monotonic()
+    try:
+        while not announcement.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"inference exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            if time.monotonic() - started > START_TIMEOUT_S:
+                pytest.fail(f"inference not ready after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield run, json.loads(announcement.read_text()), log, routed
+        (run.root / "DONE").write_text("")
+        assert proc.wait(120) == 0, log.read_text()[-4000:]
+        assert not leftover_processes(run.root)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _served(run, info, **extra) -> dict:
+    from rlctl.inference.client import InferenceClient
+
+    async def go():
+        async with InferenceClient(info["url"], run.admin_token()) as client:
+            return await client.complete(PROMPT, max_tokens=6, temperature=0.0, prompt_logprobs=0, extra=extra)
+
+    return asyncio.run(go())
+
+
+def _transformers_forward(model_dir, ids):
+    """Log-probabilities and the experts transformers' routers pick, [T, layers, top_k], for `ids`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    picks = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out, li=li: picks.__setitem__(li, out[2]))
+             for li, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+    for h in hooks:
+        h.remove()
+    return logp, torch.stack([picks[li] for li in range(len(model.model.layers))], 1)
+
+
+@pytest.mark.slow
+def test_served_tiny_moe_uses_fused_cpu_experts_and_matches_transformers(moe_server):
+    from rlctl.inference.client import prompt_logprobs_of
+
+    run, info, log, routed = moe_server
+    assert "CPUUnquantizedExperts" in log.read_text()  # vLLM's fused-MoE CPU path, not a per-expert loop
+    resp = _served(run, info)
+    choice = resp["choices"][0]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    assert choice["prompt_token_ids"] == PROMPT
+    logp, _ = _transformers_forward(run.model, ids)
+    p = len(PROMPT)
+    prompt_diff = max(abs(x - logp[i, PROMPT[i + 1]].item()) for i, x in enumerate(prompt_logprobs_of(resp)[1:]))
+    sampled = choice["logprobs"]["token_logprobs"]
+    greedy_diff = max(abs(x - logp[p - 1 + i, t].item()) for i, (x, t) in enumerate(zip(sampled, choice["token_ids"])))
+    print(f"\n[measure] tiny MoE served vs transformers: prompt logprobs max |diff| {prompt_diff:.2e}, "
+          f"greedy completion {greedy_diff:.2e}")
+    assert prompt_diff < 1e-4 and greedy_diff < 1e-4
+    assert choice["token_ids"] == logp[p - 1 :].argmax(-1)[: len(choice["token_ids"])].tolist()
+
+
+@pytest.mark.slow
+def test_served_routed_experts_align_and_agree_with_transformers(moe_server):
+    run, info, log, routed = moe_server
+    if not routed:
+        pytest.skip("this vLLM returns routed experts only with a Triton CPU backend (triton-cpu), not installed")
+    choice = _served(run, info, routed_experts_prompt_start=0)["choices"][0]
+    p, c = len(choice["prompt_token_ids"]), len(choice["token_ids"])
+    got = decode_routed_experts(choice["routed_experts"])
+    assert got.shape == (p + c - 1, LAYERS, TOP_K)  # every layer; the last sampled token never ran
+    payload = routed_experts_payload(got, p, c)
+    _, picks = _transformers_forward(run.model, choice["prompt_token_ids"] + choice["token_ids"])
+    same = (payload[:-1].long().sort(-1).values == picks[:-1].sort(-1).values).all(-1)
+    print(f"\n[measure] routed experts equal to transformers' top-{TOP_K} (as sets): "
+          f"{same.float().mean().item():.3f} of {same.numel()} token-layers")
+    assert same.float().mean() >= 0.95
