@@ -1,0 +1,309 @@
+"""MoE in the trainer: grouped experts vs transformers' eager loop, expert parallelism and FSDP on gloo
+vs one rank, router replay, expert load. Tiny fp32 models built here (Qwen3-MoE and DeepSeek-V3)."""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from rlctl.trainer.moe import enable_grouped_experts, expert_load, grouped_linear, moe_blocks, routing_replay
+
+VOCAB = 64
+
+
+def qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def deepseek_v3_config():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=2,
+                            num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                            topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=16,
+                            q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)
+
+
+CONFIGS = {"qwen3_moe": qwen3_moe_config, "deepseek_v3": deepseek_v3_config}
+
+
+def eager_model(family: str, seed: int = 0):
+    """transformers' own MoE forward (per-expert loop); routers scaled so routing is far from uniform."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family](), experts_implementation="eager",
+                                             attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for _, block in moe_blocks(model):
+            block.gate.weight.normal_(0, 0.5)
+            if hasattr(block.gate, "e_score_correction_bias"):
+                block.gate.e_score_correction_bias.normal_(0, 0.1)
+    return model
+
+
+def batch(rows: int = 4, length: int = 12, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=g)
+    mask = torch.ones(rows, length - 1)
+    mask[1, 7:] = 0  # ragged: tokens without loss
+    return ids, mask
+
+
+def token_logprobs(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def loss_of(logprobs, mask, n_tokens):
+    """Each rank's loss normalised by the global token count (as the trainer's loss is)."""
+    return -(logprobs * mask).sum() / n_tokens
+
+
+def captured_routing(model, ids) -> torch.Tensor:
+    """The experts transformers' routers pick for `ids`: [B, T, L, K] (from the routers' outputs)."""
+    picked, hooks = [], []
+    for _, block in moe_blocks(model):
+        hooks.append(block.gate.register_forward_hook(lambda _m, _i, out: picked.append(out[2].detach())))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return torch.stack([p.view(*ids.shape, -1) for p in picked], dim=2)
+
+
+def assert_close(actual, expected, what, rtol=1e-5):
+    actual, expected = actual.detach(), expected.detach()
+    err = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+    assert err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def grads(model) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+    return out
+
+
+# ---- one rank ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_grouped_experts_match_transformers_eager(family):
+    ref = eager_model(family)
+    model = copy.deepcopy(ref)
+    assert enable_grouped_experts(model) == len(moe_blocks(ref)) == 2
+    ids, mask = batch()
+    for m in (ref, model):
+        lp = token_logprobs(m, ids)
+        loss_of(lp, mask, mask.sum()).backward()
+        m.lp, m.loss = lp.detach(), loss_of(lp, mask, mask.sum()).detach()
+    assert_close(model.lp, ref.lp, "logprobs")
+    assert_close(model.loss, ref.loss, "loss")
+    ref_grads = grads(ref)
+    for name, g in grads(model).items():
+        assert_close(g, ref_grads[name], name)
+
+
+def test_grouped_linear_padded_path_and_empty_groups():
+    """Dimensions grouped_mm cannot take (rows of 6 floats) use the padded bmm; same result, same
+    gradients as one matmul per expert; an expert without tokens and a rank without rows work."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(3, 5, 6, generator=g, requires_grad=True)
+    x = torch.randn(7, 6, generator=g, requires_grad=True)
+    counts = torch.tensor([4, 0, 3])
+    out = grouped_linear(x, weight, counts)
+    ref = torch.cat([x[:4] @ weight[0].T, x[4:] @ weight[2].T])
+    assert_close(out, ref, "padded output")
+    (gx, gw) = torch.autograd.grad(out.square().sum(), (x, weight))
+    (rx, rw) = torch.autograd.grad(ref.square().sum(), (x, weight))
+    assert_close(gx, rx, "input grad")
+    assert_close(gw, rw, "weight grad")
+    empty = grouped_linear(x[:0], weight, torch.zeros(3, dtype=torch.long))
+    assert empty.shape == (0, 5)
+    assert torch.autograd.grad(empty.sum(), weight)[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_router_replay_own_routing_is_identity_and_forced_routing_matches_reference(family):
+    ref = eager_model(family)
+    model = copy.deepcopy(ref)
+    enable_grouped_experts(model)
+    ids, mask = batch()
+    own = captured_routing(ref, ids)
+
+    def run(m, routed=None):
+        m.zero_grad(set_to_none=True)
+        with routing_replay(m, routed):
+            lp = token_logprobs(m, ids)
+            loss = loss_of(lp, mask, mask.sum())
+            loss.backward()
+        return lp.detach(), loss.detach(), grads(m)
+
+    base = run(model)
+    replayed = run(model, own)
+    for a, b, what in ((replayed[0], base[0], "logprobs"), (replayed[1], base[1], "loss")):
+        assert torch.equal(a, b), what
+    for name in base[2]:
+        assert torch.equal(replayed[2][name], base[2][name]), name
+
+    # a different routing: shift every expert; unknown (-1) rows keep the router's own choice
+    n_experts = moe_blocks(model)[0][1].gate.weight.shape[0]
+    forced = (own + 3) % n_experts
+    forced[:, -1] = -1  # the last sampled token: inference never routed it
+    forced[2, :4, 0, 1] = -1
+    expected = torch.where((forced >= 0).all(dim=-1, keepdim=True), forced, own)
+    other = run(model, forced)
+    assert not torch.allclose(other[0], base[0], rtol=1e-3)
+    # reference: transformers' eager model whose routers are made to pick `expected`
+    hooks = []
+    for layer, (_, block) in enumerate(moe_blocks(ref)):
+        want = expected[:, :, layer].reshape(-1, expected.shape[-1])
+        hooks.append(block.gate.register_forward_hook(_forcing_hook(want)))
+    reference = run(ref)
+    for h in hooks:
+        h.remove()
+    assert_close(other[0], reference[0], "logprobs")
+    assert_close(other[1], reference[1], "loss")
+    for name, g in reference[2].items():
+        assert_close(other[2][name], g, name)
+
+
+def _forcing_hook(index):
+    """Router output with `index` as the top-k and weights computed the transformers way from it."""
+    def hook(gate, inputs, out):
+        logits = out[0]
+        if hasattr(gate, "e_score_correction_bias"):
+            w = logits.sigmoid().gather(1, index)
+            w = w / (w.sum(-1, keepdim=True) + 1e-20) if gate.norm_topk_prob else w
+            return logits, w * gate.routed_scaling_factor, index
+        w = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, index)
+        w = w / w.sum(-1, keepdim=True) if gate.norm_topk_prob else w
+        return logits, w.to(logits.dtype), index
+    return hook
+
+
+def test_router_replay_refuses_misaligned_routing():
+    model = eager_model("qwen3_moe")
+    enable_grouped_experts(model)
+    ids, _ = batch()
+    with pytest.raises(ValueError, match=r"expected \[B, T, 2, 2\]"):
+        with routing_replay(model, torch.zeros(4, 12, 3, 2, dtype=torch.long)):
+            pass
+    with pytest.raises(ValueError, match="aligned with the input_ids"):
+        with routing_replay(model, torch.zeros(4, 11, 2, 2, dtype=torch.long)):
+            model(input_ids=ids)
+    with pytest.raises(ValueError, match=r"\[-1, 8\)"):
+        with routing_replay(model, torch.full((4, 12, 2, 2), 8)):
+            pass
+
+
+def test_expert_load_counts_routed_tokens_once_even_with_activation_checkpointing():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    ref = eager_model("qwen3_moe")
+    model = copy.deepcopy(ref)
+    enable_grouped_experts(model)
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+    ids, mask = batch()
+    own = captured_routing(ref, ids)
+    assert expert_load(model).sum() == 0
+    loss_of(token_logprobs(model, ids), mask, mask.sum()).backward()  # the backward re-runs the forward
+    token_logprobs(model, ids[:2])
+    load = expert_load(model)
+    expected = torch.stack([torch.bincount(own[:, :, layer].reshape(-1), minlength=8)
+                            + torch.bincount(own[:2, :, layer].reshape(-1), minlength=8) for layer in range(2)])
+    assert torch.equal(load, expected)
+    assert load.sum() == 2 * 2 * (4 + 2) * 12  # layers × top_k × tokens
+    assert expert_load(model).sum() == 0  # reset by the previous call
+
+
+# ---- several ranks (gloo) ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpointing):
+    import torch.distributed as dist
+
+    from rlctl.trainer.degrees import ParallelDims
+    from rlctl.trainer.expert_parallel import apply_expert_parallel
+    from rlctl.trainer.parallel import apply_fsdp, build_mesh, fsdp_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dims = ParallelDims(world_size=world, **dims_kw).validate("cpu")
+        ref = eager_model(family)
+        enable_grouped_experts(ref)
+        model = copy.deepcopy(ref)
+        ids, mask = batch(rows=4)
+        n_tokens = mask.sum()
+        routed = None
+        if replay:
+            routed = (captured_routing(ref, ids) + 5) % 8
+            routed[:, -1] = -1
+        with routing_replay(ref, routed):
+            ref_lp = token_logprobs(ref, ids)
+            ref_loss = loss_of(ref_lp, mask, n_tokens)
+            ref_loss.backward()
+        ref_grads = grads(ref)
+
+        mesh = build_mesh(dims, torch.device("cpu"))
+        apply_expert_parallel(model, mesh["ep"])
+        apply_fsdp(model, fsdp_mesh(mesh, dims), mesh["efsdp"], "float32", activation_checkpointing)
+        dp_rank = mesh["dp"].get_local_rank()
+        rows = torch.arange(dp_rank, ids.shape[0], dims.dp)
+        with routing_replay(model, None if routed is None else routed[rows]):
+            lp = token_logprobs(model, ids[rows])
+            loss = loss_of(lp, mask[rows], n_tokens)
+            loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        assert_close(total, ref_loss.detach(), "loss")
+        assert_close(lp.detach(), ref_lp.detach()[rows], "logprobs")
+        sharded = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in grads(model).items()}
+        assert sharded.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            assert_close(sharded[name], g, name)
+        experts = moe_blocks(model)[0][1].experts.gate_up_proj
+        assert experts.to_local().shape[0] == 8 // (dims.ep * dims.efsdp)  # this rank's slice only
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world, *args, timeout=240):
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), *args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish within {timeout}s")
+
+
+def test_expert_parallel_two_ranks_matches_one_rank():
+    """(a) ep = 2 on a world of 2: the two ranks hold 4 experts each and read different rows."""
+    _launch(2, "qwen3_moe", dict(dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2), False, False)
+
+
+def test_fsdp4_ep2_with_router_replay_and_checkpointing_matches_one_rank():
+    """(c)+(d) dp_shard 4 × ep 2: experts split 2× by EP and 2× by FSDP, shared experts and the dense
+    layer 4× by FSDP; a replayed routing; activation checkpointing re-runs the all-to-alls."""
+    _launch(4, "deepseek_v3", dict(dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2), True, True)
