@@ -23,7 +23,10 @@ def _group_rows(result, states: dict) -> list[dict]:
 
 
 def _print_summary(result, rows: list[dict]) -> None:
+    from rlctl.orchestrator.exchange.placement import describe_degrees
+
     typer.echo(f"run dir:  {result.run.root}")
+    typer.echo(f"trainer degrees: {describe_degrees(result.extra.get('trainer_degrees'))}")
     if result.dry_run:
         if result.script:
             typer.echo(f"sbatch script (not submitted): {result.script}")
@@ -86,6 +89,7 @@ def launch_cmd(
                     "job_id": result.job_id, "attempt": result.attempt, "dry_run": result.dry_run,
                     "script": str(result.script) if result.script else None,
                     "supervisor_pid": result.supervisor_pid, "groups": rows,
+                    "trainer_degrees": result.extra.get("trainer_degrees"),
                     **({"rewind": rewind.to_dict()} if rewind else {})})
     else:
         if rewind and not dry_run:

@@ -11,6 +11,7 @@ from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.models import get_model_spec
 from rlctl.recipes.plan_disk import plan_disk
 from rlctl.recipes.plan_report import PlanReport, cpu_groups, cpu_placement, orchestrator_site
+from rlctl.trainer.degrees import ParallelDims
 from rlctl.trainer.plan import memory_breakdown, plan_trainer
 
 AUTO = "auto"
@@ -40,6 +41,7 @@ def check_static(recipe, spec, profile) -> None:
         if tr.tp > spec.num_key_value_heads or spec.num_key_value_heads % tr.tp:
             raise RecipeError(f"tp={tr.tp} must divide the {spec.num_key_value_heads} KV heads of {spec.name} "
                               "(the trainer does not replicate KV heads)", key="trainer.tp")
+        ParallelDims(1, 1, 1, tr.tp, 1, tr.tp).validate("cuda")  # the trainer's refusal, before any search
     if isinstance(inf.tp, int) and inf.tp > 1:
         if spec.num_attention_heads % inf.tp:
             raise RecipeError(f"tp={inf.tp} must divide the {spec.num_attention_heads} attention heads of {spec.name}", key="inference.tp")
@@ -99,6 +101,12 @@ def _trainer(recipe, spec, profile, gpu, nodes: int, tokens: int, mean_seq: int,
     if used > world or (ep > max(1, (fsdp or world // (cp * tp)) * cp * tp)):
         errors.append(f"trainer: fsdp × cp × tp = {used} (ep {ep}) exceeds the {world} trainer GPUs; "
                       "add trainer nodes or lower the degrees")
+        return None
+    shard = fsdp or world // (cp * tp)
+    try:  # the trainer's own rules: what it would refuse at start-up, this split cannot run
+        ParallelDims(world // (shard * cp * tp), shard, cp, tp, ep, world).validate("cuda")
+    except RecipeError as e:
+        errors.append(str(e))
         return None
     p = plan_trainer(spec, tr, gpus=world, gpus_per_node=gpn, gpu=gpu, seq_len=seq, tokens_per_step=tokens,
                      mean_seq=mean_seq, inter_gbps=profile.interconnect_gbps, intra_gbps=profile.intra_node_gbps,
@@ -188,7 +196,9 @@ def _cpu_report(recipe, spec, profile, shape, errors, warnings):
     placement = cpu_placement(recipe, profile)
     rollouts, mean, completion, in_flight, tokens = shape
     ranks = placement.trainer_ranks_per_node * placement.trainer_nodes
-    mem, _ = memory_breakdown(spec, shard=ranks, ep=1, cp=1, tp=1, seq_len=recipe.inference.max_model_len,
+    deg = placement.trainer_degrees
+    mem, _ = memory_breakdown(spec, shard=deg["dp_shard"] * deg["cp"] * deg["tp"], ep=deg["ep"], cp=deg["cp"],
+                              tp=deg["tp"], seq_len=recipe.inference.max_model_len,
                               micro_batch=recipe.trainer.micro_batch_size,
                               activation_checkpointing=recipe.trainer.activation_checkpointing,
                               optimizer_dtype=recipe.trainer.optimizer_dtype)
@@ -199,7 +209,8 @@ def _cpu_report(recipe, spec, profile, shape, errors, warnings):
         errors.append(f"trainer needs {mem['total']:.1f} GiB per rank but a rank gets {budget:.1f} GiB of host memory")
     trainer_s = tokens / C.CPU_TRAIN_TOKENS_PER_S
     rollout_s = rollouts * completion / C.CPU_DECODE_TOKENS_PER_S
-    trainer = {"gpus": 0, "ranks": ranks, "fsdp": ranks, "ep": 1, "cp": 1, "tp": 1, "memory_gib": mem,
+    trainer = {"gpus": 0, "ranks": ranks, "fsdp": deg["dp_shard"], "ep": deg["ep"], "cp": deg["cp"], "tp": deg["tp"],
+               "dp_replicate": deg["dp_replicate"], "memory_gib": mem,
                "memory_gib_per_gpu": mem["total"], "step_time_s": trainer_s, "tokens_per_s": C.CPU_TRAIN_TOKENS_PER_S,
                "tokens_per_step": tokens}
     inference = {"gpus": 0, "tp": 1, "servers": placement.inference_servers, "decode_tokens_per_s": C.CPU_DECODE_TOKENS_PER_S,
@@ -238,7 +249,7 @@ def build_report(recipe, profile):
         gpn = profile.gpus_per_node
         placement = Placement(trainer_nodes=t_nodes, inference_nodes=i_nodes, trainer_ranks_per_node=gpn,
                               inference_servers_per_node=max(1, gpn // ip.tp), inference_gpus_per_server=min(ip.tp, gpn),
-                              orchestrator=_site(recipe, profile))
+                              orchestrator=_site(recipe, profile), trainer_degrees=_degrees_of(tp_))
         trainer = tp_.to_json() if tp_ else {"step_time_s": None, "tokens_per_s": None, "memory_gib_per_gpu": None}
         inference = ip.to_json()
         trainer_s = tp_.step_time_s if tp_ else math.inf
@@ -261,6 +272,13 @@ def build_report(recipe, profile):
     return PlanReport(recipe=recipe.name, profile=profile.name, model=spec.name, placement=placement, groups=groups,
                       trainer=trainer, inference=inference, orchestrator=orchestrator, bottleneck=bottleneck,
                       fits=not errors, errors=errors, warnings=warnings, disk=plan_disk(recipe, spec))
+
+
+def _degrees_of(tp_) -> dict | None:
+    """The degrees the trainer runs with (ParallelDims' names), written with the placement."""
+    if tp_ is None:
+        return None
+    return {"dp_replicate": tp_.dp_replicate, "dp_shard": tp_.fsdp, "cp": tp_.cp, "tp": tp_.tp, "ep": tp_.ep}
 
 
 def _finite(x: float):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlctl.orchestrator.exchange.placement import Placement
+from rlctl.orchestrator.exchange.placement import DEGREE_KEYS, Placement
+from rlctl.trainer.degrees import resolve_dims
+from rlctl.trainer.fp8 import check_fp8
 
 AUTO = "auto"
 
@@ -27,13 +29,20 @@ def cpu_groups(recipe) -> bool:
 
 
 def cpu_placement(recipe, profile) -> Placement:
-    """Placement of a CPU run: ranks from the parallel degrees, node counts as given (no search)."""
+    """Placement of a CPU run: ranks from the parallel degrees, node counts as given (no search), and
+    the trainer degrees the trainer will run with (refused here, naming the key, when it cannot)."""
     tr, dep = recipe.trainer, recipe.deployment
-    ranks = _int_or(tr.fsdp, 1) * _int_or(tr.cp, 1) * _int_or(tr.tp, 1)
+    check_fp8(tr, "cpu")
+    # fsdp 'auto' on CPU: as many shard ranks as the expert degree needs (ep borrows from them), else 1
+    shard = _int_or(tr.fsdp, _int_or(tr.ep, 1))
+    ranks = shard * _int_or(tr.cp, 1) * _int_or(tr.tp, 1)
+    nodes = _int_or(dep.trainer_nodes, 1)
+    dims = resolve_dims(tr, nodes * ranks, "cpu")
     return Placement(
-        trainer_nodes=_int_or(dep.trainer_nodes, 1), inference_nodes=_int_or(dep.inference_nodes, 1),
+        trainer_nodes=nodes, inference_nodes=_int_or(dep.inference_nodes, 1),
         trainer_ranks_per_node=ranks, inference_servers_per_node=_int_or(recipe.inference.dp, 1),
         inference_gpus_per_server=0, orchestrator=orchestrator_site(recipe, profile),
+        trainer_degrees={k: getattr(dims, k) for k in DEGREE_KEYS},
     )
 
 

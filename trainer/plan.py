@@ -57,10 +57,25 @@ def state_bytes(spec, optimizer_dtype: str) -> tuple[int, int]:
     return int(n * pb), int(n * (pb + ob))
 
 
+def params_on_fullest_rank(spec, shard: int, ep: int) -> float:
+    """Parameters held by the rank with the most. FSDP2 splits each tensor along dim 0 in chunks of
+    ceil(dim0 / ranks), so an expert tensor [experts/ep, ...] sharded over its `shard/ep` ranks puts
+    ceil(local experts / ranks) whole experts on the fullest rank (GLM-5: 3 of 32 local experts on 12
+    ranks, 12.5% above the mean); when the ranks outnumber the local experts it is split along dim 1
+    instead (torchtitan's rule) and comes out even. Dense tensors have dim 0 ≫ shard: the mean."""
+    n = spec.total_params
+    if not spec.is_moe:
+        return n / shard
+    local_experts = spec.n_routed_experts / ep
+    ranks = max(1.0, shard / ep)
+    per_rank = math.ceil(local_experts / ranks) if ranks <= local_experts else local_experts / ranks
+    return (n - spec.expert_params_total) / shard + per_rank * spec.moe_layers * spec.expert_params()
+
+
 def memory_breakdown(spec, *, shard: int, ep: int, cp: int, tp: int, seq_len: int, micro_batch: int,
                      activation_checkpointing: bool, optimizer_dtype: str) -> tuple[dict, float]:
     """Per-GPU memory in GiB and the activation GiB without checkpointing (for advice)."""
-    n = spec.total_params
+    local = params_on_fullest_rank(spec, shard, ep)
     pb, gb, ob = _bytes_per_param(optimizer_dtype)
     s = max(1, seq_len // cp) * micro_batch  # tokens of one micro-batch on this GPU
     h = spec.hidden_size
@@ -83,9 +98,9 @@ def memory_breakdown(spec, *, shard: int, ep: int, cp: int, tp: int, seq_len: in
                     + spec.n_shared_experts * spec.expert_params())
     all_gather = (2 * 2 * layer + 4 * layer) / tp
     mem = {
-        "params": n * pb / shard / GIB,
-        "grads": n * gb / shard / GIB,
-        "optimizer": n * ob / shard / GIB,
+        "params": local * pb / GIB,
+        "grads": local * gb / GIB,
+        "optimizer": local * ob / GIB,
         "activations": kept / GIB,
         "logits": logits / GIB,
         "all_gather": all_gather / GIB,
