@@ -177,6 +177,29 @@ def test_router_replay_own_routing_is_identity_and_forced_routing_matches_refere
         assert_close(other[2][name], g, name)
 
 
+def test_router_replay_holds_when_checkpointing_recomputes_after_the_block():
+    """The backward of a checkpointed layer re-runs its forward after `routing_replay` has exited:
+    it must route as the forward did, not as the router would."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    ref = eager_model("deepseek_v3")
+    ids, mask = batch()
+    forced = (captured_routing(ref, ids) + 1) % 8
+    enable_grouped_experts(ref)
+    model = copy.deepcopy(ref)
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+    with routing_replay(ref, forced):
+        loss_of(token_logprobs(ref, ids), mask, mask.sum()).backward()
+    with routing_replay(model, forced):
+        loss = loss_of(token_logprobs(model, ids), mask, mask.sum())
+    loss.backward()
+    expected = grads(ref)
+    for name, g in grads(model).items():
+        assert_close(g, expected[name.replace("._checkpoint_wrapped_module", "")], name)
+
+
 def _forcing_hook(index):
     """Router output with `index` as the top-k and weights computed the transformers way from it."""
     def hook(gate, inputs, out):
@@ -248,14 +271,14 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
     try:
         dims = ParallelDims(world_size=world, **dims_kw).validate("cpu")
         ref = eager_model(family)
-        enable_grouped_experts(ref)
-        model = copy.deepcopy(ref)
         ids, mask = batch(rows=4)
         n_tokens = mask.sum()
         routed = None
         if replay:
             routed = (captured_routing(ref, ids) + 5) % 8
             routed[:, -1] = -1
+        enable_grouped_experts(ref)  # one rank, same routing code: the reference for the sharded run
+        model = copy.deepcopy(ref)
         with routing_replay(ref, routed):
             ref_lp = token_logprobs(ref, ids)
             ref_loss = loss_of(ref_lp, mask, n_tokens)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 _REPLAY = "_rlctl_replay"  # per-block attribute: the [tokens, K] replayed experts, or None
 _LOAD = "_rlctl_load"  # per-block attribute: tokens routed to each expert since the last reset
+_ROUTED = "_rlctl_routed"  # per-block attribute: the experts of the last forward that built a graph
 
 
 def _unwrapped(layer):
@@ -90,11 +91,10 @@ def _replayed(index: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
     return torch.where(known, replay, index)
 
 
-def route(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(block, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k expert index [N, K], routing weight [N, K]) of tokens `x` [N, H], as the block's
-    transformers router computes them; the replayed experts where the block holds a replay."""
+    transformers router computes them; the experts of `replay` [N, K] where its row has no -1."""
     gate = block.gate
-    replay = getattr(block, _REPLAY, None)
     if hasattr(gate, "e_score_correction_bias"):  # sigmoid scores, grouped top-k (DeepSeek-V3 / GLM)
         logits = F.linear(x.float(), gate.weight.float())
         scores = logits.sigmoid()
@@ -195,8 +195,15 @@ def moe_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """Replacement forward of a transformers MoE block ([B, T, H] in and out)."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
-    index, weights = route(self, x)
-    if not _in_backward():
+    recompute = _in_backward()
+    replay = getattr(self, _REPLAY, None)
+    stashed = getattr(self, _ROUTED, None)
+    if recompute and stashed is not None and stashed.shape[0] == x.shape[0]:
+        replay = stashed  # the routing of the forward being recomputed, even outside `routing_replay`
+    index, weights = route(self, x, replay)
+    if not recompute and torch.is_grad_enabled():
+        setattr(self, _ROUTED, index.detach())
+    if not recompute:
         with torch.no_grad():
             load = torch.bincount(index.reshape(-1), minlength=self.gate.weight.shape[0])
             setattr(self, _LOAD, load if getattr(self, _LOAD, None) is None else getattr(self, _LOAD) + load)
@@ -225,7 +232,9 @@ def routing_replay(model, routed: torch.Tensor | None):
     whose row holds a -1 is routed by the router). Routing weights still come from the router's
     scores for those experts, so the router gets gradients. None: no replay.
 
-    With activation checkpointing the backward recomputes the forward: run it inside the block too.
+    With activation checkpointing the backward recomputes the forward: each block then reuses the
+    experts its last forward chose, so the backward may run after the block (micro-batch by
+    micro-batch: forward, then its backward).
     """
     if routed is None:
         yield

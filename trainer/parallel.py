@@ -3,8 +3,7 @@
 The degrees follow torchtitan's `ParallelDims` (world = dp_replicate × dp_shard × cp × tp, experts
 sharded by ep over the data-parallel ranks). This trainer implements data parallelism: FSDP2
 `fully_shard` over `dp_shard`, plus plain replication (HSDP) when the recipe's `fsdp` is smaller than
-the world. Context, tensor and expert parallelism are refused with a one-line error instead of being
-silently ignored.
+the world. Experts are split over `ep` by `expert_parallel.py` and FSDP-sharded over `efsdp` here.
 """
 from __future__ import annotations
 
@@ -81,15 +80,26 @@ def decoder_layers(model):
     return layers
 
 
-def apply_fsdp(model, mesh, dtype: str, activation_checkpointing: bool):
-    """Activation checkpointing (optional), then `fully_shard` each decoder layer and the root.
+def apply_fsdp(model, dense_mesh, expert_mesh, dtype: str, activation_checkpointing: bool):
+    """Activation checkpointing (optional), then `fully_shard` each MoE block's experts over
+    `expert_mesh` (torchtitan's layout: experts already split over `ep` are FSDP-sharded over the
+    rest, `efsdp`), each decoder layer and the root over `dense_mesh`. `expert_mesh` None: experts are
+    sharded with their layer.
 
     Parameters and optimizer state stay fp32 (master weights); with dtype=bfloat16 the all-gathered
     compute copies are bf16 and gradients are reduced in fp32.
+
+    Gradients are SUMMED over the ranks (no averaging): each rank's loss is already normalised by the
+    global token count, and expert and dense parameters reduce over meshes of different sizes, so no
+    single rescaling of the loss could undo FSDP's mean for both.
     """
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
 
+    from rlctl.trainer.moe import moe_blocks
+
+    blocks = moe_blocks(model)
     layers = decoder_layers(model)
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -100,8 +110,25 @@ def apply_fsdp(model, mesh, dtype: str, activation_checkpointing: bool):
         param_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32, reduce_dtype=torch.float32
     )
     n = len(layers)
+    if expert_mesh is not None:
+        for i, block in blocks:
+            local_experts = block.experts.gate_up_proj.shape[0] // _ep_degree(block.experts.gate_up_proj)
+            # fewer local experts than shard ranks: shard each expert's rows instead of whole experts
+            placement = (lambda _p: Shard(1)) if local_experts < expert_mesh.size() else None
+            fully_shard(block.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=i < n - 1,
+                        shard_placement_fn=placement)
     for i, layer in enumerate(layers):
         # the last layer's params are needed right away by the root's backward: keep them gathered
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    fully_shard(model, mesh=dense_mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def _ep_degree(param) -> int:
+    """How many ep ranks split a (DTensor) expert parameter's expert dimension; 1 for a plain tensor."""
+    mesh = getattr(param, "device_mesh", None)
+    return mesh.size() if mesh is not None else 1
