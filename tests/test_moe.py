@@ -91,7 +91,7 @@ def grads(model) -> dict:
     out = {}
     for name, p in model.named_parameters():
         g = p.grad
-        out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+        out[name.replace("._checkpoint_wrapped_module", "")] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
     return out
 
 
@@ -197,7 +197,7 @@ def test_router_replay_holds_when_checkpointing_recomputes_after_the_block():
     loss.backward()
     expected = grads(ref)
     for name, g in grads(model).items():
-        assert_close(g, expected[name.replace("._checkpoint_wrapped_module", "")], name)
+        assert_close(g, expected[name], name)
 
 
 def _forcing_hook(index):
@@ -262,7 +262,7 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
     import torch.distributed as dist
 
     from rlctl.trainer.degrees import ParallelDims
-    from rlctl.trainer.expert_parallel import apply_expert_parallel
+    from rlctl.trainer.expert_parallel import apply_expert_parallel, clip_grad_norm_
     from rlctl.trainer.parallel import apply_fsdp, build_mesh, fsdp_mesh
 
     torch.set_num_threads(1)
@@ -298,10 +298,17 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
         dist.all_reduce(total)
         assert_close(total, ref_loss.detach(), "loss")
         assert_close(lp.detach(), ref_lp.detach()[rows], "logprobs")
-        sharded = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in grads(model).items()}
+        sharded = grads(model)
         assert sharded.keys() == ref_grads.keys()
         for name, g in ref_grads.items():
             assert_close(sharded[name], g, name)
+        # one norm over parameters on different meshes (torch's clip_grad_norm_ cannot stack them)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        norm = clip_grad_norm_(model.parameters(), 0.05)
+        assert_close(norm, ref_norm, "grad norm")
+        clipped, ref_clipped = grads(model), grads(ref)  # grads() names without the checkpoint wrapper
+        for name, g in ref_clipped.items():
+            assert_close(clipped[name], g, f"clipped {name}")
         experts = moe_blocks(model)[0][1].experts.gate_up_proj
         assert experts.to_local().shape[0] == 8 // (dims.ep * dims.efsdp)  # this rank's slice only
     finally:

@@ -38,9 +38,24 @@ def apply_expert_parallel(model, ep_mesh) -> int:
     return n_blocks
 
 
-def is_expert_param(name: str) -> bool:
-    """Whether a parameter name (as `named_parameters` spells it) is a routed expert's weight."""
-    return name.rsplit(".", 2)[-2:-1] == ["experts"] and name.rsplit(".", 1)[-1] in EXPERT_PARAMS
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for parameters sharded over different meshes (experts over
+    (efsdp, ep), dense ones over fsdp), which torch's cannot stack: the 2-norm of each mesh's gradients,
+    combined; every gradient scaled by the one coefficient. Returns the total norm (a plain tensor)."""
+    by_mesh: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def _exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
