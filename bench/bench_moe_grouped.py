@@ -32,7 +32,8 @@ def build(experts: int, top_k: int, implementation: str):
 
     from rlctl.trainer.tiny_model import TINY_MODELS
 
-    cfg = {k: v for k, v in TINY_MODELS["tiny-qwen3-moe"].items() if k not in ("architectures", "model_type", "torch_dtype")}
+    skip = ("architectures", "model_type", "torch_dtype")
+    cfg = {k: v for k, v in TINY_MODELS["tiny-qwen3-moe"].items() if k not in skip}
     cfg.update(num_experts=experts, num_experts_per_tok=top_k, use_cache=False)
     config = AutoConfig.for_model("qwen3_moe", **cfg)
     torch.manual_seed(0)
@@ -48,7 +49,8 @@ def step_seconds(model, ids: torch.Tensor, steps: int) -> float:
     for i in range(steps + 2):
         t0 = time.perf_counter()
         logits = model(input_ids=ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+        loss = torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1))
         loss.backward()
         model.zero_grad(set_to_none=True)
         if i >= 2:

@@ -33,7 +33,15 @@ def deepseek_v3_config():
                             q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)
 
 
+def qwen3_two_experts_config():
+    """One expert per ep rank: fewer local experts than FSDP ranks, so FSDP shards within experts."""
+    config = qwen3_moe_config()
+    config.num_experts = 2
+    return config
+
+
 CONFIGS = {"qwen3_moe": qwen3_moe_config, "deepseek_v3": deepseek_v3_config}
+MULTI_RANK_ONLY = {"qwen3_two_experts": qwen3_two_experts_config}
 
 
 def eager_model(family: str, seed: int = 0):
@@ -41,8 +49,9 @@ def eager_model(family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family](), experts_implementation="eager",
-                                             attn_implementation="eager", dtype=torch.float32)
+    config = {**CONFIGS, **MULTI_RANK_ONLY}[family]()
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager", attn_implementation="eager",
+                                             dtype=torch.float32)
     with torch.no_grad():
         for _, block in moe_blocks(model):
             block.gate.weight.normal_(0, 0.5)
@@ -91,7 +100,8 @@ def grads(model) -> dict:
     out = {}
     for name, p in model.named_parameters():
         g = p.grad
-        out[name.replace("._checkpoint_wrapped_module", "")] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+        plain = name.replace("._checkpoint_wrapped_module", "")  # as the unwrapped model names it
+        out[plain] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
     return out
 
 
@@ -275,7 +285,7 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
         n_tokens = mask.sum()
         routed = None
         if replay:
-            routed = (captured_routing(ref, ids) + 5) % 8
+            routed = (captured_routing(ref, ids) + 5) % moe_blocks(ref)[0][1].gate.weight.shape[0]
             routed[:, -1] = -1
         enable_grouped_experts(ref)  # one rank, same routing code: the reference for the sharded run
         model = copy.deepcopy(ref)
@@ -310,7 +320,12 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
         for name, g in ref_clipped.items():
             assert_close(clipped[name], g, f"clipped {name}")
         experts = moe_blocks(model)[0][1].experts.gate_up_proj
-        assert experts.to_local().shape[0] == 8 // (dims.ep * dims.efsdp)  # this rank's slice only
+        n_experts, rows = experts.shape[:2]
+        local = experts.to_local().shape
+        if n_experts // dims.ep >= dims.efsdp:  # this rank's slice only: whole experts, or rows of them
+            assert local[:2] == (n_experts // (dims.ep * dims.efsdp), rows)
+        else:
+            assert local[:2] == (n_experts // dims.ep, rows // dims.efsdp)
     finally:
         dist.destroy_process_group()
 
@@ -337,3 +352,8 @@ def test_fsdp4_ep2_with_router_replay_and_checkpointing_matches_one_rank():
     """(c)+(d) dp_shard 4 × ep 2: experts split 2× by EP and 2× by FSDP, shared experts and the dense
     layer 4× by FSDP; a replayed routing; activation checkpointing re-runs the all-to-alls."""
     _launch(4, "deepseek_v3", dict(dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2), True, True)
+
+
+def test_fsdp4_ep2_with_fewer_local_experts_than_shard_ranks_matches_one_rank():
+    """One expert per ep rank over 2 FSDP ranks: each expert's rows are sharded (Shard(1))."""
+    _launch(4, "qwen3_two_experts", dict(dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2), False, False)
