@@ -250,3 +250,94 @@ def test_four_ranks_fsdp2_x_ep2_load_exactly_what_from_pretrained_loads(tmp_path
     2 experts → each rank holds half the rows of one expert (the gate or the up half of gate_up)."""
     out = _save_checkpoint(_random_model(cfg, seed=2), cfg, tmp_path / "ckpt")
     _launch(_equivalence_rank, 4, str(out), "ep")
+
+
+# ---- host memory -----------------------------------------------------------------------------------
+BIG_DENSE = {**TINY_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32768,
+             "max_window_layers": 16}
+
+
+def _write_random_checkpoint(cfg: dict, out: Path, shard_files: int = 4) -> int:
+    """Random weights of `cfg` in HF sharded safetensors, written one file at a time (never the whole
+    model in memory); returns the number of parameters."""
+    from safetensors.torch import save_file
+
+    from rlctl.trainer.sharded_load import build_meta_model
+
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    shapes = {k: v.shape for k, v in build_meta_model(cfg).state_dict().items() if k != "lm_head.weight"}
+    names, weight_map = sorted(shapes), {}
+    gen = torch.Generator().manual_seed(0)
+    for i in range(shard_files):
+        file = f"model-{i + 1:05d}-of-{shard_files:05d}.safetensors"
+        part = {k: torch.randn(shapes[k], generator=gen) * 0.02 for k in names[i::shard_files]}
+        save_file(part, str(out / file))
+        weight_map.update(dict.fromkeys(part, file))
+        del part
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return sum(torch.Size(s).numel() for s in shapes.values())
+
+
+def _status_mib(*keys) -> dict:
+    values = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in keys:
+            values[key] = int(rest.split()[0]) / 1024
+    return values
+
+
+def _memory_rank(rank, world, port, model_dir, report):
+    import gc
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from rlctl.trainer.sharded_load import build_meta_model, materialize_and_load, owned_block
+
+    _init(rank, world, port)
+    try:
+        model = build_meta_model(model_dir)
+        _shard(model, "fsdp", world)
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the peak below is the load's own
+        before = _status_mib("VmRSS")["VmRSS"]
+        start = time.monotonic()
+        materialize_and_load(model, model_dir, torch.device("cpu"))
+        seconds = time.monotonic() - start
+        for param in model.parameters():  # memory-mapped weights count only once touched: touch them
+            (param.to_local() if hasattr(param, "to_local") else param).sum()
+        after = _status_mib("VmRSS", "VmHWM")
+        q = model.model.layers[3].self_attn.q_proj.weight  # the load really happened: this rank's rows
+        name = "model.layers.3.self_attn.q_proj.weight"
+        files = json.loads((Path(model_dir) / "model.safetensors.index.json").read_text())["weight_map"]
+        with safe_open(str(Path(model_dir) / files[name]), framework="pt") as f:
+            assert torch.equal(q.to_local(), f.get_slice(name)[owned_block(q)])
+        Path(report, f"rank{rank}.json").write_text(json.dumps(
+            {"rss_before_mib": before, "peak_mib": after["VmHWM"], "rss_after_mib": after["VmRSS"],
+             "load_s": seconds}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_load_peaks_below_three_quarters_of_the_fp32_model(tmp_path, capsys):
+    """A 235M-parameter dense model (0.94 GB fp32) loaded on 2 ranks: each rank's peak RSS growth during
+    the load (weights touched) stays below 0.75 × the full fp32 bytes; loading the whole model with
+    from_pretrained grows it by ≈ 1.2×."""
+    params = _write_random_checkpoint(BIG_DENSE, tmp_path / "ckpt")
+    assert params >= 200_000_000
+    full_mib = params * 4 / 2**20
+    report = tmp_path / "report"
+    report.mkdir()
+    _launch(_memory_rank, 2, str(tmp_path / "ckpt"), str(report), timeout=300)
+    for rank in range(2):
+        r = json.loads((report / f"rank{rank}.json").read_text())
+        growth = r["peak_mib"] - r["rss_before_mib"]
+        with capsys.disabled():
+            print(f"\nrank {rank}: model {full_mib:.0f} MiB fp32; RSS before load {r['rss_before_mib']:.0f} MiB, "
+                  f"peak {r['peak_mib']:.0f} MiB (growth {growth:.0f} MiB = {growth / full_mib:.2f}× model), "
+                  f"after {r['rss_after_mib']:.0f} MiB; load {r['load_s']:.1f}s")
+        assert growth < 0.75 * full_mib
