@@ -124,6 +124,20 @@ def test_checkpoint_reads_prefer_a_name_the_checkpoint_holds():
                                                   for e in range(2)}.__contains__)
 
 
+def test_load_causal_lm_is_what_from_pretrained_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.trainer.model import load_causal_lm
+    from rlctl.trainer.tiny_model import build_tiny_model
+
+    out = build_tiny_model(tmp_path / "tiny", seed=5, name="tiny-qwen3-moe")
+    model, ref = load_causal_lm(out, torch.device("cpu")), AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.training and not model.config.use_cache
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
 def test_one_process_load_matches_from_pretrained_and_reties_embeddings(tmp_path):
     """Without sharding (plain tensors): bitwise the weights, buffers and logits from_pretrained gives;
     the tied lm_head (absent from the file) is the input embedding again after `to_empty`."""
@@ -207,12 +221,19 @@ def _shard(model, layout: str, world: int):
     apply_fsdp(model, mesh["fsdp"], mesh["efsdp"], "float32", True)
 
 
+def _checkpoint_tensors(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
 def _equivalence_rank(rank, world, port, model_dir, layout):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     from rlctl.trainer.sharded_load import build_meta_model, checkpoint_name, materialize_and_load
+    from rlctl.trainer.weights import gather_full_state_dict
 
     _init(rank, world, port)
     try:
@@ -231,6 +252,16 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
         ids = torch.randint(0, ref.config.vocab_size, (2, 10))
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
+        published = gather_full_state_dict(model)  # the publish path: back to the checkpoint's names
+        if rank == 0:
+            stored = _checkpoint_tensors(Path(model_dir))
+            if model.config.tie_word_embeddings:
+                published.pop("lm_head.weight")
+            assert published.keys() == stored.keys(), published.keys() ^ stored.keys()
+            for name, tensor in stored.items():
+                assert torch.equal(published[name], tensor), name
+        else:
+            assert published == {}
     finally:
         dist.destroy_process_group()
 
@@ -238,7 +269,8 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
 @pytest.mark.parametrize("case", ["dense-index", "qwen3_moe", "qwen3_moe-ep2"])
 def test_two_ranks_load_exactly_what_from_pretrained_loads(tmp_path, case):
     """dense Qwen3 from a sharded checkpoint (index.json); Qwen3-MoE fused experts FSDP-sharded by
-    expert; Qwen3-MoE with experts Shard(0) over a 2-rank `ep` mesh first (2-D placements)."""
+    expert; Qwen3-MoE with experts Shard(0) over a 2-rank `ep` mesh first (2-D placements). Publishing
+    (`gather_full_state_dict`) gives back the checkpoint's tensors under its names."""
     cfg = TINY_QWEN3 if case.startswith("dense") else SMALL_MOE
     out = _save_checkpoint(_random_model(cfg, seed=1), cfg, tmp_path / "ckpt", 3 if case == "dense-index" else 1)
     _launch(_equivalence_rank, 2, str(out), "ep" if case.endswith("ep2") else "fsdp")

@@ -47,13 +47,14 @@ def resolve_model_dir(run, recipe, wait_s: float = 300.0) -> Path:
 
 
 def load_causal_lm(model_dir: Path, device):
-    """Load the full model in fp32 on `device` with SDPA attention (CPU and GPU alike).
+    """The whole model, unsharded, in fp32 on `device` with SDPA attention (CPU and GPU alike).
 
-    Every rank loads the same weights from disk before sharding; fine for the sizes this loads whole.
+    Built on the meta device and filled straight from the safetensors (`sharded_load`), so it never
+    holds a second copy. A sharded trainer does not call this: it shards the meta model first and then
+    loads only its own blocks (`build.build_parallel_model` → `sharded_load.materialize_and_load`).
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    from rlctl.trainer.sharded_load import build_meta_model, materialize_and_load
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
-    model.config.use_cache = False
-    return model.to(device).train()
+    model = build_meta_model(model_dir)
+    materialize_and_load(model, model_dir, device)
+    return model
