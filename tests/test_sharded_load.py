@@ -266,12 +266,14 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", ["dense-index", "qwen3_moe", "qwen3_moe-ep2"])
+@pytest.mark.parametrize("case", ["dense-index", "qwen3_moe", "qwen3_moe-ep2", "deepseek_v3-ep2"])
 def test_two_ranks_load_exactly_what_from_pretrained_loads(tmp_path, case):
     """dense Qwen3 from a sharded checkpoint (index.json); Qwen3-MoE fused experts FSDP-sharded by
-    expert; Qwen3-MoE with experts Shard(0) over a 2-rank `ep` mesh first (2-D placements). Publishing
+    expert; Qwen3-MoE and DeepSeek-V3 (shared experts, a dense first layer, the router's persistent
+    correction bias, an untied lm_head) with experts Shard(0) over a 2-rank `ep` mesh first (2-D
+    placements). Publishing
     (`gather_full_state_dict`) gives back the checkpoint's tensors under its names."""
-    cfg = TINY_QWEN3 if case.startswith("dense") else SMALL_MOE
+    cfg = {"dense": TINY_QWEN3, "qwen3_moe": SMALL_MOE, "deepseek_v3": DEEPSEEK_V3}[case.split("-")[0]]
     out = _save_checkpoint(_random_model(cfg, seed=1), cfg, tmp_path / "ckpt", 3 if case == "dense-index" else 1)
     _launch(_equivalence_rank, 2, str(out), "ep" if case.endswith("ep2") else "fsdp")
 
