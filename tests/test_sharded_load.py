@@ -171,6 +171,25 @@ def test_missing_tensor_is_named(tmp_path):
         materialize_and_load(build_meta_model(out), out, torch.device("cpu"))
 
 
+def test_fp8_checkpoint_is_refused_and_an_uncovered_buffer_is_caught(tmp_path, monkeypatch):
+    """Block-scaled FP8 weights would need their scales: refused, not silently cast. A non-persistent
+    buffer the model's init does not recompute would stay garbage: refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from rlctl.trainer.sharded_load import build_meta_model, materialize_and_load
+
+    out = _save_checkpoint(_random_model(TINY_QWEN3), TINY_QWEN3, tmp_path / "ckpt")
+    model = build_meta_model(out)
+    monkeypatch.setattr(model, "_init_weights", lambda module: None)
+    with pytest.raises(RuntimeError, match="RotaryEmbedding.inv_freq: non-persistent buffer not recomputed"):
+        materialize_and_load(model, out, torch.device("cpu"))
+    state = load_file(str(out / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    save_file(state, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="up_proj.weight in FP8"):
+        materialize_and_load(build_meta_model(out), out, torch.device("cpu"))
+
+
 # ---- several ranks (gloo) ---------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:

@@ -105,9 +105,9 @@ def _fill(name: str, tensor, files: dict[str, Path]) -> None:
     block = owned_block(tensor)
     if tuple(s.stop - s.start for s in block) != tuple(local.shape):
         raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the owned block {block}")
-    if local.numel() == 0:
-        return
     reads = checkpoint_reads(name, tuple(tensor.shape), block, files.__contains__)
+    if local.numel() == 0:  # an empty shard (more ranks than rows): nothing to read
+        return
     with ExitStack() as stack, torch.no_grad():
         opened = {}
         for read in reads:
