@@ -35,6 +35,7 @@ def apply_expert_parallel(model, ep_mesh) -> int:
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             experts.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts._rlctl_ep_group = ep_mesh.get_group()
+        experts._rlctl_ep_dispatch = dispatch_compute_combine
     return n_blocks
 
 

@@ -47,7 +47,7 @@ def moe_blocks(model) -> list[tuple[int, torch.nn.Module]]:
     Only attributes are inspected, so it works on meta-device models. An MoE layout rlctl cannot run
     (biased or transposed expert weights, experts without a gate projection) is refused by name.
     """
-    from rlctl.trainer.parallel import decoder_layers
+    from rlctl.trainer.layers import decoder_layers
 
     found = []
     for i, layer in enumerate(decoder_layers(model)):
@@ -177,9 +177,8 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     if ep_group is None:
         out = expert_mlp(self, routed, counts, gate_up, down)
     else:
-        from rlctl.trainer.expert_parallel import dispatch_compute_combine
-
-        out = dispatch_compute_combine(self, routed, counts, gate_up, down, ep_group)
+        # set by expert_parallel.apply_expert_parallel (which imports this module, not the reverse)
+        out = self._rlctl_ep_dispatch(self, routed, counts, gate_up, down, ep_group)
     weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
     return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -11,6 +11,7 @@ import os
 import socket
 
 from rlctl.trainer.degrees import ParallelDims, resolve_dims  # noqa: F401 - re-exported for callers
+from rlctl.trainer.layers import decoder_layers
 
 
 def _free_port() -> int:
@@ -69,15 +70,6 @@ def build_mesh(dims: ParallelDims, device: "torch.device"):  # noqa: F821
 def fsdp_mesh(mesh, dims: ParallelDims):
     """The mesh dense parameters are sharded over: (dp_replicate, fsdp) for HSDP, else fsdp."""
     return mesh["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else mesh["fsdp"]
-
-
-def decoder_layers(model):
-    """The repeated transformer blocks of a transformers causal LM (`model.model.layers`)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise RuntimeError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
-    return layers
 
 
 def apply_fsdp(model, dense_mesh, expert_mesh, dtype: str, activation_checkpointing: bool):

@@ -8,7 +8,6 @@ count so the gradient is the same however the batch is split across ranks and mi
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -51,8 +50,11 @@ class Trainer:
 
         from rlctl.trainer.checkpoint import load_checkpoint, require_complete, resolve_resume_step
         from rlctl.trainer.loss import load_loss
-        from rlctl.trainer.model import load_causal_lm, resolve_model_dir
-        from rlctl.trainer.parallel import apply_fsdp, build_mesh, fsdp_mesh, init_distributed, resolve_dims
+        from rlctl.orchestrator.exchange.placement import read_trainer_degrees
+        from rlctl.trainer.build import build_parallel_model, is_moe_config, load_hf_config
+        from rlctl.trainer.model import resolve_model_dir
+        from rlctl.trainer.parallel import build_mesh, init_distributed, resolve_dims
+        from rlctl.trainer.step import StepContext
         from rlctl.trainer.weights import load_config
 
         self.run, self.recipe, self.cfg = run, recipe, recipe.trainer
@@ -62,13 +64,15 @@ class Trainer:
         if resume_step is not None:
             require_complete(run.checkpoints, resume_step)  # fail before the expensive set-up
         self.rank, self.world, self.device = init_distributed()
-        self.dims = resolve_dims(self.cfg, self.world, self.device.type)
+        self.dims = resolve_dims(self.cfg, self.world, self.device.type, planned=read_trainer_degrees(run))
         self.model_dir = resolve_model_dir(run, recipe)
         self.hf_config = load_config(self.model_dir)
         torch.manual_seed(recipe.orchestrator.seed)
-        self.model = load_causal_lm(self.model_dir, self.device)
         self.mesh = build_mesh(self.dims, self.device)
-        apply_fsdp(self.model, fsdp_mesh(self.mesh, self.dims), self.cfg.dtype, self.cfg.activation_checkpointing)
+        # meta build, then experts/context/FSDP sharding, then each rank reads only its own slices
+        self.model = build_parallel_model(self.model_dir, self.dims, self.mesh, self.device, self.cfg,
+                                          load_from=self.model_dir)
+        self.is_moe = is_moe_config(load_hf_config(self.model_dir))
         opt = self.cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
@@ -76,6 +80,10 @@ class Trainer:
         warmup = opt.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.step_ctx = StepContext(
+            self.model, self.optimizer, self.scheduler, self.loss_fn, self.cfg, self.dims, self.mesh, self.device,
+            moe=self.is_moe, router_replay=self.cfg.router_replay,
         )
         self.weight_store = FilesystemWeightStore(run.weights)
         self.batches = FilesystemBatchReader(run.rollouts)
@@ -117,69 +125,10 @@ class Trainer:
         return elapsed
 
     # ---- one step ------------------------------------------------------------------------
-    def _micro_batches(self, batch: dict):
-        """Yield (tensors, is_padding) micro-batches of this rank's rows; same count on every rank."""
-        import torch
-
-        n_rows = batch["input_ids"].shape[0]
-        rows = torch.arange(self.rank, n_rows, self.world)
-        per_rank = math.ceil(n_rows / self.world)
-        mbs = self.cfg.micro_batch_size
-        keys = ("input_ids", "attention_mask", "loss_mask", "inference_logprobs", "advantages")
-        for i in range(max(1, math.ceil(per_rank / mbs))):
-            idx = rows[i * mbs : (i + 1) * mbs]
-            # a rank with fewer rows still runs forward/backward (FSDP collectives must match) on a
-            # row whose loss mask is cleared, so it contributes nothing
-            padding = len(idx) == 0
-            if padding:
-                idx = torch.tensor([0])
-            sub = {k: batch[k][idx] for k in keys}
-            length = max(2, int(sub["attention_mask"].sum(dim=1).max()))
-            for k in keys[:-1]:
-                sub[k] = sub[k][:, :length]
-            if padding:
-                sub["loss_mask"] = torch.zeros_like(sub["loss_mask"])
-            yield {k: v.to(self.device) for k, v in sub.items()}
-
     def train_step(self, batch: dict) -> dict:
-        import torch
-        import torch.distributed as dist
+        from rlctl.trainer.step import train_step
 
-        from rlctl.trainer.loss import summarize, token_logprobs_and_entropy
-
-        total_tokens = float(batch["loss_mask"].sum())
-        micro = list(self._micro_batches(batch))
-        sums = torch.zeros(6, dtype=torch.float64)  # loss, tokens, kl, entropy, masked, ratio
-        for i, mb in enumerate(micro):
-            self.model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce grads once per step
-            logits = self.model(input_ids=mb["input_ids"]).logits
-            logprobs, entropy = token_logprobs_and_entropy(logits, mb["input_ids"])
-            loss, m = self.loss_fn(
-                logprobs, mb["inference_logprobs"], mb["advantages"], mb["loss_mask"], self.cfg.loss,
-                num_tokens=total_tokens, entropy=entropy,
-            )
-            # FSDP averages gradients over the data-parallel ranks; scale so they add up instead
-            (loss * self.dims.dp).backward()
-            sums += torch.tensor(
-                [loss.item(), *(float(m.get(k, 0.0)) for k in ("tokens", "mismatch_kl_sum", "entropy_sum", "masked_tokens", "ratio_sum"))],
-                dtype=torch.float64,
-            )
-        max_norm = self.cfg.optimizer.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = sums.to(self.device)  # NCCL reduces device tensors only
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        loss_sum, tokens, kl, ent, masked, ratio = sums.tolist()
-        out = summarize(
-            {"tokens": tokens, "mismatch_kl_sum": kl, "entropy_sum": ent, "masked_tokens": masked, "ratio_sum": ratio}
-        )
-        out.update(loss=loss_sum, grad_norm=float(grad_norm), tokens=int(tokens), lr=lr)
-        return out
+        return train_step(self.step_ctx, batch)
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> int:

@@ -67,6 +67,10 @@ class TrainerStepRecord(StepRecord):
     """Mean reward of the trained batch."""
     policy_version_max: int | None = None
     """Newest policy version that generated a token of the batch."""
+    expert_load_imbalance: float | None = None
+    """MoE models: tokens of the busiest expert over the mean per expert, averaged over MoE layers (1 = balanced)."""
+    tokens_per_expert: list[list[int]] | None = None
+    """MoE models: tokens routed to each expert in this step, one list per MoE layer (all ranks)."""
 
 
 @dataclass(kw_only=True)
