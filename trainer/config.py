@@ -55,7 +55,7 @@ class TrainerConfig(StrictModel):
     activation_checkpointing: bool = True
     """Recompute activations in backward (full per-layer recompute): less memory, ~33% more compute."""
     fp8: bool = False
-    """FP8 block-scaled matmuls (needs deep_gemm on Hopper/Blackwell GPUs)."""
+    """FP8 matmuls via torchao float8 training on GPUs with compute capability >= 8.9 (refused elsewhere)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per GPU."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
