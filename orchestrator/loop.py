@@ -193,6 +193,11 @@ class RolloutLoop:
             self.in_flight -= self.s.group_size
             self._wake.set()
 
+    def _post_completions(self, session: aiohttp.ClientSession, body: dict, group_id: int):
+        timeout = aiohttp.ClientTimeout(total=self.s.request_timeout_s)
+        headers = {**self.headers, "X-Request-Id": f"rlctl-g{group_id}"}
+        return session.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=timeout)
+
     async def _stream(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
         if self.s.routed_experts:
             return await self._whole(session, group_id, prompt)
@@ -204,12 +209,8 @@ class RolloutLoop:
             "temperature": self.s.temperature, "top_p": 1.0, "logprobs": 0, "return_token_ids": True,
             "stream": True, "cache_salt": policy_cache_salt(version),
         }
-        timeout = aiohttp.ClientTimeout(total=self.s.request_timeout_s)
-        headers = {**self.headers, "X-Request-Id": f"rlctl-g{group_id}"}
-        async with session.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=timeout) as resp:
-            if resp.status >= 400:
-                text = (await resp.text())[:300]
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=text)
+        async with self._post_completions(session, body, group_id) as resp:
+            await _raise_for_status(resp)
             done = False
             async for raw in resp.content:
                 line = raw.strip()
@@ -251,12 +252,8 @@ class RolloutLoop:
             "temperature": self.s.temperature, "top_p": 1.0, "logprobs": 0, "return_token_ids": True,
             "cache_salt": policy_cache_salt(version), "routed_experts_prompt_start": 0,
         }
-        timeout = aiohttp.ClientTimeout(total=self.s.request_timeout_s)
-        headers = {**self.headers, "X-Request-Id": f"rlctl-g{group_id}"}
-        async with session.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=timeout) as resp:
-            if resp.status >= 400:
-                text = (await resp.text())[:300]
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=text)
+        async with self._post_completions(session, body, group_id) as resp:
+            await _raise_for_status(resp)
             response = await resp.json()
         choices = sorted(response.get("choices") or [], key=lambda c: c["index"])
         if len(choices) != self.s.group_size:
@@ -360,3 +357,10 @@ class RolloutLoop:
                 for task in list(self._tasks):
                     task.cancel()
                 await asyncio.gather(dispatcher, *self._tasks, return_exceptions=True)
+
+
+async def _raise_for_status(resp) -> None:
+    """An HTTP error from the router becomes an exception carrying the start of its body."""
+    if resp.status >= 400:
+        text = (await resp.text())[:300]
+        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=text)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
-import time
 
 import pytest
+from trainer_fixtures import spawn_ranks
 import torch
 
 from rlctl.trainer.moe import enable_grouped_experts, expert_load, grouped_linear, moe_blocks, routing_replay
@@ -262,12 +261,6 @@ def test_expert_load_counts_routed_tokens_once_even_with_activation_checkpointin
 
 
 # ---- several ranks (gloo) ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpointing):
     import torch.distributed as dist
 
@@ -331,16 +324,7 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
 
 
 def _launch(world, *args, timeout=240):
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), *args), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world} ranks did not finish within {timeout}s")
+    spawn_ranks(_rank_main, world, *args, timeout=timeout)
 
 
 def test_expert_parallel_two_ranks_matches_one_rank():

@@ -81,9 +81,9 @@ def test_moe_is_in_the_catalog_and_the_recipe_plans():
 
     assert CATALOG["tiny-qwen3-moe"] == TINY_QWEN3_MOE
     assert tiny_model.is_tiny_model("tiny-qwen3-moe") and not tiny_model.is_tiny_model("qwen3-30b-a3b")
-    recipe = _recipe()
-    assert (recipe.model.name, recipe.trainer.ep, recipe.trainer.router_replay) == ("tiny-qwen3-moe", 2, True)
-    report = plan(recipe)
+    # replay is off in the recipe (this CPU vLLM cannot return routed experts); the plan sizes it when on
+    assert (_recipe().model.name, _recipe().trainer.ep, _recipe().trainer.router_replay) == ("tiny-qwen3-moe", 2, False)
+    report = plan(_recipe("trainer.router_replay=true"))
     assert report.disk["router_replay_bytes_per_batch"] == 512 * 64 * LAYERS * TOP_K * 2  # int16 ids
 
 
@@ -222,7 +222,7 @@ def test_router_replay_turns_on_routed_experts_in_the_server():
         return render_server_command(recipe, placement, "gpu", model_dir="m", host="h", port=1,
                                      has_module=lambda m: True)
 
-    on, off = _recipe(), _recipe("trainer.router_replay=false")
+    on, off = _recipe("trainer.router_replay=true"), _recipe("trainer.router_replay=false")
     assert "--enable-return-routed-experts" in gpu_command(on)
     assert "--enable-return-routed-experts" not in gpu_command(off)
     # vLLM returns routed experts only from Model Runner V2
@@ -234,9 +234,9 @@ def test_router_replay_on_cpu_without_triton_cpu_is_refused_naming_the_key():
     from rlctl.inference.server import validate_features
 
     with pytest.raises(RecipeError) as err:
-        validate_features(_recipe(), "cpu", lambda m: True, triton_cpu=lambda: False)
+        validate_features(_recipe("trainer.router_replay=true"), "cpu", lambda m: True, triton_cpu=lambda: False)
     assert err.value.key == "trainer.router_replay" and "triton" in str(err.value).lower()
-    validate_features(_recipe(), "cpu", lambda m: True, triton_cpu=lambda: True)
+    validate_features(_recipe("trainer.router_replay=true"), "cpu", lambda m: True, triton_cpu=lambda: True)
     validate_features(_recipe("trainer.router_replay=false"), "cpu", lambda m: True, triton_cpu=lambda: False)
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
+from trainer_fixtures import spawn_ranks
 import torch
 
 from rlctl.trainer.hf_names import CheckpointRead, checkpoint_reads, to_checkpoint_names
@@ -191,25 +191,6 @@ def test_fp8_checkpoint_is_refused_and_an_uncovered_buffer_is_caught(tmp_path, m
 
 
 # ---- several ranks (gloo) ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(rank_main, world, *args, timeout=240):
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(rank_main, args=(world, _free_port(), *args), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world} ranks did not finish within {timeout}s")
-
-
 def _init(rank, world, port):
     import torch.distributed as dist
 
@@ -294,7 +275,7 @@ def test_two_ranks_load_exactly_what_from_pretrained_loads(tmp_path, case):
     (`gather_full_state_dict`) gives back the checkpoint's tensors under its names."""
     cfg = {"dense": TINY_QWEN3, "qwen3_moe": SMALL_MOE, "deepseek_v3": DEEPSEEK_V3}[case.split("-")[0]]
     out = _save_checkpoint(_random_model(cfg, seed=1), cfg, tmp_path / "ckpt", 3 if case == "dense-index" else 1)
-    _launch(_equivalence_rank, 2, str(out), "ep" if case.endswith("ep2") else "fsdp")
+    spawn_ranks(_equivalence_rank, 2, str(out), "ep" if case.endswith("ep2") else "fsdp")
 
 
 @pytest.mark.parametrize("cfg", [SMALL_MOE, TWO_EXPERTS], ids=["strided-experts", "expert-rows"])
@@ -302,7 +283,7 @@ def test_four_ranks_fsdp2_x_ep2_load_exactly_what_from_pretrained_loads(tmp_path
     """dp_shard 4 × ep 2: 8 experts → 2 per rank (experts split by ep, then by efsdp: _StridedShard);
     2 experts → each rank holds half the rows of one expert (the gate or the up half of gate_up)."""
     out = _save_checkpoint(_random_model(cfg, seed=2), cfg, tmp_path / "ckpt")
-    _launch(_equivalence_rank, 4, str(out), "ep")
+    spawn_ranks(_equivalence_rank, 4, str(out), "ep")
 
 
 # ---- host memory -----------------------------------------------------------------------------------
@@ -385,7 +366,7 @@ def test_two_rank_load_peaks_below_three_quarters_of_the_fp32_model(tmp_path, ca
     full_mib = params * 4 / 2**20
     report = tmp_path / "report"
     report.mkdir()
-    _launch(_memory_rank, 2, str(tmp_path / "ckpt"), str(report), timeout=300)
+    spawn_ranks(_memory_rank, 2, str(tmp_path / "ckpt"), str(report), timeout=300)
     for rank in range(2):
         r = json.loads((report / f"rank{rank}.json").read_text())
         growth = r["peak_mib"] - r["rss_before_mib"]

@@ -123,3 +123,21 @@ def trainer_metrics(run: RunDir) -> list[dict]:
         return []
     lines = read_records(run)
     return [x for x in lines if x.get("component") == "trainer"]
+
+
+def spawn_ranks(rank_main, world: int, *args, timeout: float = 240) -> None:
+    """Run `rank_main(rank, world, port, *args)` in `world` spawned processes (a gloo group on a free
+    port); fail the test if they do not all finish within `timeout` seconds (and kill them)."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(rank_main, args=(world, free_port(), *args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish within {timeout}s")
