@@ -240,6 +240,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "0")
+    code = 1  # until the trainer says otherwise (an interrupt leaves without meeting the others)
     try:
         if not args.run_dir:
             raise RecipeError("no run directory: pass --run-dir or set RLCTL_RUN_DIR", "run dir")
@@ -259,15 +260,38 @@ def main(argv=None) -> int:
         print(f"trainer rank {rank}: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
-        _shutdown()
+        _shutdown(meet=code in (0, TERMINATED_EXIT))
     return code
 
 
-def _shutdown() -> None:
+def _shutdown(meet: bool) -> None:
+    """Leave the process group together: a rank that tears its connections down while a peer is still
+    inside a collective (or still destroying its own groups) can make the peer's gloo abort (SIGABRT),
+    so every rank first meets the others, then destroys, and the store's host (rank 0) goes last.
+    After a failure (`meet` False) a rank leaves at once: its peers' collectives then fail instead of
+    waiting for it."""
     try:
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        from datetime import timedelta
+
+        store = dist.distributed_c10d._get_default_store()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if not meet:
             dist.destroy_process_group()
+            return
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)
+            else:
+                dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer already gone (crash, kill): just leave
+            pass
+        dist.destroy_process_group()
+        store.set(f"rlctl/left/{rank}", "1")
+        if rank == 0:
+            store.wait([f"rlctl/left/{r}" for r in range(1, world)], timedelta(seconds=30))
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
