@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from typing import Any, Callable
 
@@ -37,7 +38,20 @@ def user_errors(fn: Callable) -> Callable:
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    """Strict JSON on stdout: a NaN or ±inf (a figure that could not be computed, a NaN loss) is written
+    as null — `Infinity` is not JSON and breaks every strict parser (jq, json.loads(parse_constant=...))."""
+    text = json.dumps(_finite(obj), indent=2, sort_keys=False, default=str, allow_nan=False)
+    sys.stdout.write(text + "\n")
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def console():

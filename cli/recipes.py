@@ -6,6 +6,7 @@ from typing import Optional
 import typer
 
 from rlctl.cli.common import fail, user_errors
+from rlctl.recipes.errors import shown
 
 recipes_app = typer.Typer(help="Built-in recipes: list, show, clone.", no_args_is_help=True)
 
@@ -56,14 +57,17 @@ def clone_cmd(
     from rlctl.recipes.load import builtin_recipe_path
 
     src = builtin_recipe_path(name)
-    out = Path(dest).expanduser()
-    if out.is_dir():
-        out = out / src.name
-    if out.exists() and not force:
-        fail(f"{out} exists; pass --force to overwrite")
-    if not out.parent.is_dir():
-        fail(f"directory {out.parent} does not exist")
-    atomic_write_bytes(out, src.read_bytes())
+    try:
+        out = Path(dest).expanduser()
+        out = out / src.name if out.is_dir() else out
+        problem = (f"{out} exists; pass --force to overwrite" if out.exists() and not force
+                   else f"directory {out.parent} does not exist" if not out.parent.is_dir() else None)
+        if problem is None:
+            atomic_write_bytes(out, src.read_bytes())
+    except (OSError, ValueError, RuntimeError) as e:  # unwritable, name too long, a NUL byte, `~nobody`
+        problem = f"cannot write {shown(dest)}: {getattr(e, 'strerror', None) or e}"
+    if problem:
+        fail(problem)
     typer.echo(f"wrote {out}")
 
 

@@ -1,11 +1,11 @@
 """The `[inference]` and `[router]` sections: vLLM servers and the router in front of them."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import Field
 
-from rlctl.recipes.base import Degree, Seconds, StrictModel, positive_degree
+from rlctl.recipes.base import MAX_TOKENS, Degree, NodeCount, NonNegative, Positive, Seconds, StrictModel
 
 
 class DisaggregationConfig(StrictModel):
@@ -13,13 +13,13 @@ class DisaggregationConfig(StrictModel):
 
     enabled: bool = False
     """Split inference into prefill and decode replicas."""
-    prefill_replicas: int = 1
+    prefill_replicas: NodeCount = 1
     """Number of prefill (kv_producer) replicas."""
-    prefill_nodes_per_replica: int = 1
+    prefill_nodes_per_replica: NodeCount = 1
     """Nodes per prefill replica."""
-    decode_replicas: int = 1
+    decode_replicas: NodeCount = 1
     """Number of decode (kv_consumer) replicas."""
-    decode_nodes_per_replica: int = 1
+    decode_nodes_per_replica: NodeCount = 1
     """Nodes per decode replica."""
     kv_connector: Literal["nixl", "mooncake"] = "nixl"
     """KV transfer connector between prefill and decode workers (GPU only)."""
@@ -30,7 +30,7 @@ class KVOffloadConfig(StrictModel):
 
     tier: Literal["none", "cpu", "mooncake"] = "none"
     """'cpu' uses vLLM's native CPU offload, 'mooncake' the Mooncake store (GPU only)."""
-    cpu_gib: float = 0.0
+    cpu_gib: NonNegative = 0.0
     """Host memory per GPU given to the offloaded KV cache."""
 
 
@@ -50,11 +50,11 @@ class InferenceConfig(StrictModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Dtype of the servers; 'auto' uses the trainer's compute dtype (trainer.dtype), so that the
     importance ratio compares probabilities computed at the same precision."""
-    max_model_len: int = 4096
+    max_model_len: Annotated[int, Field(ge=16, le=MAX_TOKENS)] = 4096
     """Maximum tokens per sequence (prompt + completion); also the trainer's sequence length."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: Annotated[float, Field(ge=0.05, le=0.99)] = 0.9
     """Fraction of GPU memory vLLM may use (weights + KV cache + activations)."""
-    kv_cache_gib_cpu: float = 1.0
+    kv_cache_gib_cpu: Positive = 1.0
     """On CPU: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile (faster start-up, slower decode)."""
@@ -64,25 +64,6 @@ class InferenceConfig(StrictModel):
     """Prefill/decode disaggregation."""
     kv_offload: KVOffloadConfig = KVOffloadConfig()
     """KV-cache offload tier."""
-
-    @field_validator("tp", "dp")
-    @classmethod
-    def _degree(cls, v, info):
-        return positive_degree(v, info.field_name)
-
-    @field_validator("max_model_len")
-    @classmethod
-    def _len(cls, v: int) -> int:
-        if v < 16:
-            raise ValueError("max_model_len must be >= 16")
-        return v
-
-    @field_validator("gpu_memory_utilization")
-    @classmethod
-    def _util(cls, v: float) -> float:
-        if not 0.05 <= v <= 0.99:
-            raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
-        return v
 
 
 class RouterConfig(StrictModel):

@@ -1,11 +1,11 @@
 """The `[cluster]`, `[deployment]`, `[checkpoint]` and `[monitoring]` sections: where and how a run is placed."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
-from rlctl.recipes.base import Delay, Seconds, StrictModel
+from rlctl.recipes.base import MAX_GPUS_PER_NODE, Count, Delay, NodeCount, PositiveCount, Seconds, StrictModel
 
 
 class ClusterConfig(StrictModel):
@@ -26,11 +26,11 @@ class GroupResources(StrictModel):
     """Slurm QoS."""
     constraint: str | None = None
     """Slurm node constraint (features)."""
-    cpus_per_task: int | None = None
+    cpus_per_task: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
     """CPUs per task."""
-    mem_gib: int | None = None
+    mem_gib: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
     """Memory per node in GiB."""
-    gpus_per_node: int | None = None
+    gpus_per_node: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_NODE)] | None = None
     """GPUs requested per node (default: what the placement uses; 0 requests none)."""
     time_limit: str | None = None
     """Time limit of this group (default: `deployment.time_limit`)."""
@@ -46,13 +46,13 @@ class SmokeConfig(StrictModel):
     """Seconds the smoke orchestrator holds after seeing every service, before it writes DONE."""
     fail_group: str | None = None
     """Group whose rank `fail_rank` exits with `exit_code` after `fail_after_s` (None: nobody fails)."""
-    fail_rank: int = 0
+    fail_rank: Count = 0
     """Rank (within `fail_group`) that fails."""
     fail_after_s: Delay = 0.0
     """Seconds before the failing rank exits."""
-    exit_code: int = 3
+    exit_code: Annotated[int, Field(ge=0, le=255)] = 3
     """Exit code of the failing rank."""
-    steps: int = 0
+    steps: Count = 0
     """With steps > 0 the smoke trainer (rank 0) counts `steps` training steps of `step_s` seconds with
     checkpoints every `checkpoint.interval`, resumes from RLCTL_RESUME_STEP, checkpoints and stops on
     `<run>/PREEMPT`, and writes DONE after the last step (fault drills of checkpoint/requeue)."""
@@ -70,21 +70,21 @@ class SmokeConfig(StrictModel):
 class DeploymentConfig(StrictModel):
     """How many nodes each side gets and how the job is submitted."""
 
-    trainer_nodes: int | Literal["auto"] = "auto"
+    trainer_nodes: NodeCount | Literal["auto"] = "auto"
     """Trainer nodes, or 'auto' to let the planner minimise the async step time."""
-    inference_nodes: int | Literal["auto"] = "auto"
+    inference_nodes: NodeCount | Literal["auto"] = "auto"
     """Inference nodes, or 'auto'."""
-    total_nodes: int | None = None
+    total_nodes: NodeCount | None = None
     """With 'auto' splits: nodes to use in all (default: every node of the profile)."""
     orchestrator_placement: Literal["auto", "cpu_partition", "inference_node"] = "auto"
     """Where router + orchestrator run: a CPU partition if the profile has one, else beside inference."""
     time_limit: str = "24:00:00"
     """Slurm time limit of the job (HH:MM:SS or D-HH:MM:SS)."""
-    grace_period_s: int = 120
+    grace_period_s: Count = 120
     """After a component fails, seconds the others get to finish (e.g. a checkpoint) before being stopped."""
-    max_restarts: int = 3
+    max_restarts: Count = 3
     """Automatic requeues after preemption, timeout or node failure (Slurm); each resumes from the newest complete checkpoint."""
-    preempt_signal_s: int = 300
+    preempt_signal_s: Count = 300
     """Seconds before the time limit Slurm sends USR2 to the batch script (trainer checkpoints, job requeues); must exceed a trainer step + checkpoint."""
     preempt_timeout_s: Seconds = 240.0
     """After a preemption (USR2, or Slurm's SIGTERM), seconds the batch script waits for the trainer to save its checkpoint and exit before it kills it; keep it below `preempt_signal_s` (and, for SIGTERM, below the cluster's KillWait/GraceTime)."""
@@ -111,35 +111,14 @@ class DeploymentConfig(StrictModel):
                 raise ValueError(f"entrypoints.{group}: {module!r} is not a Python module name")
         return v
 
-    @field_validator("trainer_nodes", "inference_nodes")
-    @classmethod
-    def _nodes(cls, v, info):
-        if v != "auto" and v < 1:
-            raise ValueError(f"{info.field_name} must be >= 1 or 'auto'")
-        return v
-
-    @field_validator("grace_period_s", "max_restarts", "preempt_signal_s")
-    @classmethod
-    def _non_negative(cls, v: int, info) -> int:
-        if v < 0:
-            raise ValueError(f"{info.field_name} must be >= 0")
-        return v
-
 
 class CheckpointConfig(StrictModel):
     """Periodic checkpoints (trainer state + orchestrator progress)."""
 
-    interval: int = 50
+    interval: Count = 50
     """Save every N steps; 0 disables checkpoints."""
-    keep_last: int = 2
+    keep_last: Count = 2
     """Complete checkpoints to keep (the newest complete one is never deleted)."""
-
-    @field_validator("interval", "keep_last")
-    @classmethod
-    def _non_negative(cls, v: int, info) -> int:
-        if v < 0:
-            raise ValueError(f"{info.field_name} must be >= 0")
-        return v
 
 
 class MonitoringConfig(StrictModel):
@@ -147,7 +126,7 @@ class MonitoringConfig(StrictModel):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of every component."""
-    metrics_interval: int = 1
+    metrics_interval: PositiveCount = 1
     """Write a metrics.jsonl record every N steps."""
     stall_timeout_s: Seconds = 1800.0
     """Seconds a component (trainer, orchestrator, an inference server) may go without progress

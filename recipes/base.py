@@ -1,4 +1,4 @@
-"""Shared pieces of the recipe schema: the strict base model and the `auto` degree type."""
+"""Shared pieces of the recipe schema: the strict base model, bounded number types, the `auto` degree."""
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
@@ -14,21 +14,43 @@ RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$", max_le
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # A delay that may be zero (smoke test pacing), but never nan, inf or negative.
 Delay = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-# A parallel degree or node count the planner may choose: a positive int or the literal "auto".
-Degree = Union[Literal["auto"], int]
+
+# Upper bounds keep every figure the planner derives finite and its searches small: the largest
+# Slurm clusters have ~10⁴ nodes, the longest contexts ~10⁷ tokens. A bound is far above any real
+# value; past it the input is a typo (an extra zero) or a fuzzer, not a cluster.
+MAX_NODES = 100_000
+MAX_GPUS_PER_NODE = 64
+MAX_TOKENS = 1 << 24
+MAX_COUNT = 1 << 30
+"""Steps, rollouts, restarts, seeds' range: anything counted that has no tighter natural bound."""
+
+NodeCount = Annotated[int, Field(ge=1, le=MAX_NODES)]
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+PositiveCount = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+"""A count that may be zero (0 often means 'off' or 'default'; the field says which)."""
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0, lt=1)]
+"""In [0, 1): AdamW betas and the like."""
+# A parallel degree the planner may choose: a positive int (at most a whole max-size cluster's GPUs)
+# or the literal "auto".
+Degree = Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_NODES * MAX_GPUS_PER_NODE)]]
 
 
 class StrictModel(BaseModel):
-    """Base of every recipe section: unknown keys are errors, values are validated on assignment."""
+    """Base of every recipe section and of the cluster profile. One policy for all of them:
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    - unknown keys are errors, values are validated on assignment;
+    - strict types: `true` is not a count and `1` is not a flag, "4" is not a number (TOML, YAML and
+      `-o` overrides all give typed values, so a wrong type is a mistake, not a spelling);
+    - no NaN or ±inf in any float: they make every figure derived from them meaningless.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              strict=True, allow_inf_nan=False)
 
 
-def positive_degree(value: Degree, name: str) -> Degree:
-    """Validate an int-or-auto degree; used by field validators of the sections."""
-    if value != AUTO and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be a positive integer or 'auto'")
-    return value
-
-
-__all__ = ["AUTO", "Degree", "Delay", "RUN_NAME_ALLOWED", "RunName", "Seconds", "StrictModel", "Field", "positive_degree"]
+__all__ = ["AUTO", "Count", "Degree", "Delay", "Fraction", "MAX_COUNT", "MAX_GPUS_PER_NODE", "MAX_NODES",
+           "MAX_TOKENS", "NodeCount", "NonNegative", "Positive", "PositiveCount", "RUN_NAME_ALLOWED", "RunName",
+           "Seconds", "StrictModel", "Tokens", "Field"]

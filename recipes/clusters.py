@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from rlctl.recipes.base import StrictModel
-from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.base import MAX_GPUS_PER_NODE, MAX_NODES, StrictModel
+from rlctl.recipes.errors import TOO_DEEP, RecipeError, path_kind, shown
 
 
 class Partitions(StrictModel):
@@ -27,22 +27,23 @@ class ClusterProfile(StrictModel):
     """Profile name."""
     scheduler: Literal["slurm", "local"] = "slurm"
     """`slurm` submits heterogeneous jobs; `local` runs every component as a local process."""
-    nodes: Annotated[int, Field(ge=1)]
+    nodes: Annotated[int, Field(ge=1, le=MAX_NODES)]
     """GPU nodes available to one job."""
-    gpus_per_node: Annotated[int, Field(ge=0)]
+    gpus_per_node: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_NODE)]
     """GPUs per node (0 for CPU-only machines)."""
     gpu: str = "cpu"
     """GPU kind, a key of the GPU catalog (`h100-sxm`, `h200`, `b200`, `a100-80gb`, `cpu`)."""
-    cpus_per_node: int = 64
+    cpus_per_node: Annotated[int, Field(ge=1, le=1 << 16)] = 64
     """CPU cores per node."""
-    mem_gib_per_node: int = 512
+    mem_gib_per_node: Annotated[int, Field(ge=1, le=1 << 24)] = 512
     """CPU memory per node in GiB."""
-    cpu_nodes: Annotated[int, Field(ge=0)] = 0
+    cpu_nodes: Annotated[int, Field(ge=0, le=MAX_NODES)] = 0
     """CPU-only nodes in the `cpu` partition (for router + orchestrator)."""
-    interconnect_gbps: float = 400.0
-    """Inter-node bandwidth per GPU in Gbit/s (e.g. 400 for NDR InfiniBand)."""
-    intra_node_gbps: float = 7200.0
-    """Intra-node GPU-to-GPU bandwidth in Gbit/s (NVLink 900 GB/s = 7200)."""
+    # > 0: a zero or negative bandwidth made communication free (or its time negative) in the plan.
+    interconnect_gbps: Annotated[float, Field(gt=0, le=1e6)] = 400.0
+    """Inter-node bandwidth per GPU in Gbit/s (e.g. 400 for NDR InfiniBand); unused on CPU-only profiles."""
+    intra_node_gbps: Annotated[float, Field(gt=0, le=1e6)] = 7200.0
+    """Intra-node GPU-to-GPU bandwidth in Gbit/s (NVLink 900 GB/s = 7200); unused on CPU-only profiles."""
     shared_fs: str | None = None
     """Path of the shared filesystem where run directories go (None: ./runs)."""
     partitions: Partitions = Partitions()
@@ -53,6 +54,8 @@ class ClusterProfile(StrictModel):
     """Default Slurm QoS."""
     constraint: str | None = None
     """Default Slurm node constraint."""
+    calibration: str | None = None
+    """Calibration file (`rlctl plan --calibrate RUN`) whose constants plans on this cluster use."""
     gres_gpu: bool = True
     """Request GPUs with `--gpus-per-node` (set false on clusters without GPU gres)."""
 
@@ -69,14 +72,14 @@ def load_profile(ref: str) -> ClusterProfile:
 
     from rlctl.recipes.errors import format_validation_error
 
-    path = Path(ref).expanduser()
-    if not path.is_file():
+    path = Path(ref).expanduser() if path_kind(ref) == "file" else None
+    if path is None:
         if "/" in ref or ref.endswith((".yaml", ".yml")):
-            raise RecipeError(f"cluster profile file not found: {ref}", key="cluster.profile")
+            raise RecipeError(f"cluster profile file not found: {shown(ref)}", key="cluster.profile")
         path = Path(str(resources.files("rlctl.recipes").joinpath("profiles", f"{ref}.yaml")))
-        if not path.is_file():
+        if path_kind(path) != "file":
             raise RecipeError(
-                f"unknown cluster profile {ref!r} (built-in: {', '.join(builtin_profile_names())}, or a YAML path)",
+                f"unknown cluster profile {shown(ref)!r} (built-in: {', '.join(builtin_profile_names())}, or a YAML path)",
                 key="cluster.profile",
             )
     try:
@@ -85,6 +88,10 @@ def load_profile(ref: str) -> ClusterProfile:
         raise RecipeError(f"malformed YAML in {path}: {str(e).splitlines()[0]}") from None
     except UnicodeDecodeError:
         raise RecipeError(f"cluster profile is not UTF-8 text: {path}") from None
+    except RecursionError:
+        raise RecipeError(f"cluster profile {path} is {TOO_DEEP}", key="cluster.profile") from None
+    except OSError as e:
+        raise RecipeError(f"cannot read cluster profile {path}: {e.strerror}", key="cluster.profile") from None
     if not isinstance(data, dict):
         raise RecipeError(f"cluster profile {path} must be a YAML mapping")
     data.setdefault("name", path.stem)

@@ -53,8 +53,9 @@ _UNION_TAGS = {"int", "str", "float", "bool", "none", "list", "dict"}
 
 
 def _is_union_tag(part) -> bool:
-    """pydantic names union members in locs (`cp.int`, `cp.literal['auto']`); users never typed those."""
-    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
+    """pydantic names union members in locs (`cp.int`, `cp.constrained-int`, `cp.literal['auto']`);
+    users never typed those."""
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part or part.startswith("constrained-"))
 
 
 def _dotted(loc) -> str:
@@ -69,6 +70,36 @@ def _dotted(loc) -> str:
     return out
 
 
+_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true/false"}
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
 def _union_member(e) -> str:
+    """One member of a union as the user would write it: `'auto'`, `an integer >= 1`."""
     tag = next((p for p in reversed(e.get("loc", ())) if _is_union_tag(p)), "")
-    return tag.replace("literal[", "").rstrip("]") or "a valid value"
+    if tag.startswith("literal["):
+        return tag[len("literal["):].rstrip("]")
+    kind = _KINDS.get(tag.replace("constrained-", ""), "a valid value")
+    ctx = e.get("ctx") or {}
+    bound = " and ".join(f"{op} {ctx[k]}" for k, op in _BOUNDS if k in ctx)
+    return f"{kind} {bound}".strip()
+
+
+def path_kind(path) -> str | None:
+    """'file', 'dir' or None, never an exception: a name too long for the filesystem, a NUL byte or a
+    directory we may not enter is a path that does not exist for the user, not a traceback."""
+    from pathlib import Path
+
+    try:
+        p = Path(path).expanduser()
+        return "file" if p.is_file() else "dir" if p.is_dir() else None
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: `~user` of an unknown user
+        return None
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """A user's string (a path, a name) cut to fit in a one-line message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+TOO_DEEP = "nested too deeply (lists/tables more than a few hundred levels deep)"

@@ -12,7 +12,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from rlctl.recipes.errors import RecipeError, format_validation_error
+from rlctl.recipes.errors import TOO_DEEP, RecipeError, format_validation_error, path_kind, shown
 
 
 def builtin_recipe_names() -> list[str]:
@@ -24,21 +24,21 @@ def builtin_recipe_names() -> list[str]:
 def builtin_recipe_path(name: str) -> Path:
     """Path of a built-in recipe, or a RecipeError listing the available names."""
     if "/" in name or "\\" in name or name.startswith("."):
-        raise RecipeError(f"invalid recipe name {name!r}: names may not contain path separators")
+        raise RecipeError(f"invalid recipe name {shown(name)!r}: names may not contain path separators")
     stem = name[:-5] if name.endswith(".toml") else name
     path = Path(str(resources.files("rlctl.recipes").joinpath(f"{stem}.toml")))
-    if not path.is_file():
-        raise RecipeError(f"unknown recipe {name!r} (built-in: {', '.join(builtin_recipe_names())})")
+    if path_kind(path) != "file":
+        raise RecipeError(f"unknown recipe {shown(name)!r} (built-in: {', '.join(builtin_recipe_names())})")
     return path
 
 
 def resolve_recipe_path(ref: str) -> Path:
     """A file path if it exists, else a built-in recipe name."""
-    path = Path(ref).expanduser()
-    if path.is_file():
-        return path
+    if path_kind(ref) == "file":
+        return Path(ref).expanduser()
+    path = Path(ref)
     if path.suffix == ".toml" and ("/" in ref or path.parent != Path(".")):
-        raise RecipeError(f"recipe file not found: {ref}")
+        raise RecipeError(f"recipe file not found: {shown(ref)}")
     return builtin_recipe_path(path.name if path.suffix == ".toml" else ref)
 
 
@@ -54,6 +54,10 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise RecipeError(f"malformed TOML in {path}: {e}") from None
     except UnicodeDecodeError:
         raise RecipeError(f"recipe file is not UTF-8 text: {path}") from None
+    except RecursionError:
+        raise RecipeError(f"recipe {path} is {TOO_DEEP}") from None
+    except OSError as e:  # permission denied, name too long, an I/O error
+        raise RecipeError(f"cannot read recipe {shown(str(path))}: {e.strerror}") from None
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -80,6 +84,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:
+        raise RecipeError(f"override {shown(text)!r}: value {TOO_DEEP}") from None
     return parts, value
 
 
@@ -104,8 +110,15 @@ def compose(refs: Iterable[str], overrides: Iterable[str] = ()) -> dict:
     if not refs:
         raise RecipeError("no recipe given (pass a TOML file or a built-in name; see `rlctl recipes list`)")
     for ref in refs:
-        data = deep_merge(data, read_toml(resolve_recipe_path(ref)))
-    return apply_overrides(data, overrides)
+        path = resolve_recipe_path(ref)
+        try:  # the parser may accept a depth that copying then cannot
+            data = deep_merge(data, read_toml(path))
+        except RecursionError:
+            raise RecipeError(f"recipe {path} is {TOO_DEEP}") from None
+    try:
+        return apply_overrides(data, overrides)
+    except RecursionError:
+        raise RecipeError(f"an override is {TOO_DEEP}") from None
 
 
 def validate(data: dict):
@@ -119,6 +132,8 @@ def validate(data: dict):
     except ValidationError as e:
         e._rlctl_model = Recipe
         raise RecipeError(format_validation_error(e)) from None
+    except RecursionError:  # e.g. orchestrator.environment.args: free-form, so any depth parses
+        raise RecipeError(f"recipe is {TOO_DEEP}") from None
 
 
 def load_recipe(refs: Iterable[str], overrides: Iterable[str] = ()):

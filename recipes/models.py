@@ -3,44 +3,61 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
-from rlctl.recipes.errors import RecipeError
+from pydantic import ConfigDict, Field
+
+from rlctl.recipes.errors import TOO_DEEP, RecipeError, path_kind, shown
+
+# Bounds of a config.json: far above any published model, low enough that every count derived from
+# them stays a finite float (a typo such as an extra zero in hidden_size is caught, not planned).
+_Dim = Annotated[int, Field(strict=True, ge=1, le=1 << 20)]
+_Layers = Annotated[int, Field(strict=True, ge=1, le=4096)]
+_Heads = Annotated[int, Field(strict=True, ge=1, le=1 << 14)]
+_Opt = Annotated[int, Field(strict=True, ge=0, le=1 << 20)]
+"""An optional size: 0 means 'not this kind of model' (no experts, no MLA, ...)."""
+_Flag = Annotated[bool, Field(strict=True)]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """The architecture numbers the planner needs; names follow HF config.json."""
 
+    # Read by pydantic when a config.json is validated into a spec (`spec_from_hf_config`); each field
+    # is strict (`true` is not a count, "4096" is not a number), the dataclass itself is built from a dict.
+    __pydantic_config__ = ConfigDict(allow_inf_nan=False)
+
     name: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    intermediate_size: int
-    head_dim: int = 0
+    hidden_size: _Dim
+    num_hidden_layers: _Layers
+    num_attention_heads: _Heads
+    num_key_value_heads: _Heads
+    vocab_size: Annotated[int, Field(strict=True, ge=1, le=1 << 24)]
+    intermediate_size: _Dim
+    head_dim: _Opt = 0
     """Per-head dim of GQA/MHA attention; 0 means hidden_size // num_attention_heads."""
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    tie_word_embeddings: _Flag = False
+    attention_bias: _Flag = False
     # Mixture of experts (0 experts = dense model).
-    n_routed_experts: int = 0
-    n_shared_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    dense_layers: int = 0
+    n_routed_experts: _Opt = 0
+    n_shared_experts: _Opt = 0
+    num_experts_per_tok: _Opt = 0
+    moe_intermediate_size: _Opt = 0
+    dense_layers: Annotated[int, Field(strict=True, ge=0, le=4096)] = 0
     """Leading layers with a dense MLP (DeepSeek's `first_k_dense_replace`); the rest are MoE."""
     # Multi-head latent attention (DeepSeek-V3 family); kv_lora_rank > 0 switches MLA on.
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
+    q_lora_rank: _Opt = 0
+    kv_lora_rank: _Opt = 0
+    qk_rope_head_dim: _Opt = 0
+    qk_nope_head_dim: _Opt = 0
+    v_head_dim: _Opt = 0
     # DeepSeek sparse attention (DSA) indexer: each query attends to index_topk selected tokens.
-    index_topk: int = 0
-    index_n_heads: int = 0
-    index_head_dim: int = 0
-    max_position_embeddings: int = 0
+    index_topk: Annotated[int, Field(strict=True, ge=0, le=1 << 30)] = 0
+    index_n_heads: _Opt = 0
+    index_head_dim: _Opt = 0
+    max_position_embeddings: Annotated[int, Field(strict=True, ge=0, le=1 << 30)] = 0
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived facts -------------------------------------------------------------------------
@@ -148,56 +165,95 @@ _ALIASES = {
 }
 
 
+@lru_cache(maxsize=1)
+def _spec_adapter():
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(ModelSpec)
+
+
+def _config_error(name: str, err) -> RecipeError:
+    from rlctl.recipes.errors import format_validation_error
+
+    return RecipeError(f"config.json of {shown(name)}: {format_validation_error(err)}", key="model.name")
+
+
+def _dense_layer_count(cfg: dict, name: str) -> int | None:
+    """Dense (non-MoE) layers named by Qwen-MoE's `mlp_only_layers` (indices) or `mlp_layer_types`."""
+    from pydantic import TypeAdapter, ValidationError
+
+    layers = cfg.get("num_hidden_layers")
+    try:
+        if cfg.get("mlp_only_layers"):
+            index = list[Annotated[int, Field(strict=True, ge=0, lt=layers if isinstance(layers, int) else 1)]]
+            only = TypeAdapter(dict[str, index], config=ConfigDict(strict=True)).validate_python(
+                {"mlp_only_layers": cfg["mlp_only_layers"]})["mlp_only_layers"]
+            return len(set(only))  # indices outside the model are refused above: not a negative MoE count
+        if cfg.get("mlp_layer_types") is not None:
+            kinds = TypeAdapter(dict[str, list[str]], config=ConfigDict(strict=True)).validate_python(
+                {"mlp_layer_types": cfg["mlp_layer_types"]})["mlp_layer_types"]
+            return sum(1 for t in kinds if t == "dense")
+    except ValidationError as e:
+        raise _config_error(name, e) from None
+    return None
+
+
 def spec_from_hf_config(cfg: dict, name: str) -> ModelSpec:
     """Build a ModelSpec from a HF config.json dict (Llama, Qwen2/3, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-5)."""
+    from pydantic import ValidationError
+
     if not isinstance(cfg, dict):
-        raise RecipeError(f"model config {name} must be a JSON object", key="model.name")
+        raise RecipeError(f"model config {shown(name)} must be a JSON object", key="model.name")
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in required if k not in cfg]
+    missing = [k for k in required if cfg.get(k) is None]
     if missing:
-        raise RecipeError(f"config.json of {name} lacks {', '.join(missing)}", key="model.name")
-    kw: dict = {}
-    for f in ModelSpec.__dataclass_fields__:
-        if f in ("name", "extra") or f not in cfg:
-            continue
-        kw[f] = cfg[f]
+        raise RecipeError(f"config.json of {shown(name)} lacks {', '.join(missing)}", key="model.name")
+    kw: dict = {f: cfg[f] for f in ModelSpec.__dataclass_fields__
+                if f not in ("name", "extra") and cfg.get(f) is not None}
     for src, dst in _ALIASES.items():
-        if dst and src in cfg and cfg[src] is not None and dst not in kw:
+        if dst and cfg.get(src) is not None and dst not in kw:
             kw[dst] = cfg[src]
-    kw = {k: v for k, v in kw.items() if v is not None}
     kw.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-    kw.setdefault("intermediate_size", cfg.get("intermediate_size") or 4 * cfg["hidden_size"])
+    if "intermediate_size" not in kw and isinstance(cfg["hidden_size"], int):
+        kw["intermediate_size"] = 4 * cfg["hidden_size"]
     if kw.get("n_routed_experts") and not kw.get("moe_intermediate_size"):
-        kw["moe_intermediate_size"] = cfg.get("intermediate_size", 0)
-    if "mlp_only_layers" in cfg and cfg.get("mlp_only_layers"):
-        kw["dense_layers"] = len(cfg["mlp_only_layers"])
-    if isinstance(cfg.get("mlp_layer_types"), list):
-        kw["dense_layers"] = sum(1 for t in cfg["mlp_layer_types"] if t == "dense")
-    if cfg.get("shared_expert_intermediate_size") and kw.get("moe_intermediate_size"):
-        kw["n_shared_experts"] = max(1, cfg["shared_expert_intermediate_size"] // kw["moe_intermediate_size"])
+        kw["moe_intermediate_size"] = kw.get("intermediate_size", 0)
+    dense = _dense_layer_count(cfg, name)
+    if dense is not None:
+        kw["dense_layers"] = dense
     try:
-        spec = ModelSpec(name=name, **kw)
+        spec = _spec_adapter().validate_python({"name": name, **kw})
+        shared = cfg.get("shared_expert_intermediate_size")
+        if shared and spec.moe_intermediate_size:  # Qwen2-MoE: one wide shared expert, counted in experts
+            if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+                raise ValueError(f"shared_expert_intermediate_size must be a non-negative integer, got {shared!r}")
+            spec = _spec_adapter().validate_python(
+                {**kw, "name": name, "n_shared_experts": max(1, shared // spec.moe_intermediate_size)})
         _validate(spec)
-    except (TypeError, ValueError) as e:
-        raise RecipeError(f"config.json of {name} is not a supported decoder architecture ({e})", key="model.name") from None
+    except ValidationError as e:
+        raise _config_error(name, e) from None
+    except ValueError as e:
+        raise RecipeError(f"config.json of {shown(name)} is not a supported decoder architecture ({e})",
+                          key="model.name") from None
     return spec
 
 
 def _validate(spec: ModelSpec) -> None:
-    for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
-        v = getattr(spec, f)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{f} must be a positive integer, got {v!r}")
-    for f in ModelSpec.__dataclass_fields__:
-        v = getattr(spec, f)
-        if f not in ("name", "extra", "tie_word_embeddings", "attention_bias") and not isinstance(v, int):
-            raise ValueError(f"{f} must be an integer, got {v!r}")
+    """What the bounds of single fields cannot say: how the fields must agree with each other."""
     if spec.is_moe and not (0 < spec.num_experts_per_tok <= spec.n_routed_experts):
         raise ValueError("num_experts_per_tok must be in 1..n_routed_experts")
+    if spec.is_moe and spec.moe_intermediate_size < 1:
+        raise ValueError("moe_intermediate_size must be >= 1 for a MoE model")
+    if spec.dense_layers > spec.num_hidden_layers:
+        raise ValueError(f"{spec.dense_layers} dense layers but num_hidden_layers is {spec.num_hidden_layers}")
     if spec.num_attention_heads % spec.num_key_value_heads:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if spec.is_mla and min(spec.qk_rope_head_dim + spec.qk_nope_head_dim, spec.v_head_dim) < 1:
+        raise ValueError("an MLA model (kv_lora_rank > 0) needs qk_rope/qk_nope head dims and v_head_dim")
+    if not spec.is_mla and spec.attn_head_dim < 1:
+        raise ValueError("head_dim is 0 and hidden_size < num_attention_heads")
 
 
 def get_model_spec(name_or_path: str) -> ModelSpec:
@@ -207,12 +263,11 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
     key = name_or_path.strip().lower()
     if key in CATALOG:
         return spec_from_hf_config(CATALOG[key], key)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    kind = path_kind(name_or_path)
+    path = Path(name_or_path).expanduser() / ("config.json" if kind == "dir" else "")
+    if kind is None or path_kind(path) != "file":
         raise RecipeError(
-            f"unknown model {name_or_path!r}: not a catalog name ({', '.join(sorted(CATALOG))}) "
+            f"unknown model {shown(name_or_path)!r}: not a catalog name ({', '.join(sorted(CATALOG))}) "
             "nor a local HF directory / config.json",
             key="model.name",
         )
@@ -220,6 +275,8 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RecipeError(f"malformed config.json at {path}: {e}", key="model.name") from None
+    except RecursionError:
+        raise RecipeError(f"config.json at {path} is {TOO_DEEP}", key="model.name") from None
     except OSError as e:
         raise RecipeError(f"cannot read {path}: {e.strerror}", key="model.name") from None
     return spec_from_hf_config(cfg, str(name_or_path))

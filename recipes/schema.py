@@ -7,7 +7,7 @@ from rlctl.inference.config import InferenceConfig, RouterConfig
 from rlctl.launchers.config import CheckpointConfig, ClusterConfig, DeploymentConfig, MonitoringConfig
 from rlctl.orchestrator.config import OrchestratorConfig
 from rlctl.orchestrator.exchange.config import WeightsConfig
-from rlctl.recipes.base import RunName, StrictModel
+from rlctl.recipes.base import Count, RunName, StrictModel
 from rlctl.trainer.config import TrainerConfig
 
 
@@ -16,7 +16,7 @@ class ModelConfig(StrictModel):
 
     name: str
     """Built-in catalog name (`qwen3-4b`, `glm-5`, `tiny-qwen3`, ...) or a local HF directory / config.json path."""
-    build_seed: int = 0
+    build_seed: Count = 0
     """For built-in tiny models that are built offline: the seed of their random initialisation."""
 
     @field_validator("name")

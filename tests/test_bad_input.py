@@ -118,3 +118,138 @@ def test_timeouts_are_finite_and_positive(key, value):
 def test_smoke_delays_are_finite_and_not_negative(key, value):
     r = runner.invoke(app, ["plan", "glm5-swe", "-o", f"{key}={value}"])
     assert r.exit_code == 2 and f"{key}:" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+# ---- input that used to end in a traceback -------------------------------------------------------
+def _one_line_2(args, key: str):
+    r = runner.invoke(app, args)
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and key in lines[0] and "Traceback" not in r.output, r.output
+    return lines[0]
+
+
+def test_deeply_nested_files_are_one_line(tmp_path):
+    deep_toml = tmp_path / "deep.toml"
+    deep_toml.write_text("a = " + "[" * 50_000 + "]" * 50_000 + "\n")
+    _one_line_2(["plan", str(deep_toml)], "nested too deeply")
+    deep_yaml = tmp_path / "deep.yaml"
+    deep_yaml.write_text("nodes: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    _one_line_2(["plan", "qwen3-4b", "--cluster", str(deep_yaml)], "cluster.profile:")
+    deep_json = tmp_path / "config.json"
+    deep_json.write_text('{"a":' * 50_000 + "1" + "}" * 50_000)
+    _one_line_2(["plan", "qwen3-4b", "-o", f'model.name="{deep_json}"'], "model.name:")
+    _one_line_2(["plan", "qwen3-4b", "-o", "trainer.cp=" + "[" * 50_000 + "]" * 50_000], "nested too deeply")
+
+
+@pytest.mark.parametrize("fields,key", [
+    ({"hidden_size": "4096"}, "hidden_size"),
+    ({"hidden_size": {}}, "hidden_size"),            # 4 * {} was a TypeError
+    ({"num_hidden_layers": 2.5}, "num_hidden_layers"),
+    ({"tie_word_embeddings": 1}, "tie_word_embeddings"),
+    ({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": 5}, "mlp_only_layers"),
+    ({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": [0, 1, 2, 3, 4]},
+     "mlp_only_layers[4]"),                          # beyond the model's 4 layers: negative MoE layers before
+    ({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+      "shared_expert_intermediate_size": "x"}, "shared_expert_intermediate_size"),
+    ({"first_k_dense_replace": 9, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}, "dense layers"),
+    ({"vocab_size": 10 ** 400}, "vocab_size"),
+    ({"num_attention_heads": 64, "num_key_value_heads": 64, "hidden_size": 32}, "head_dim"),
+])
+def test_bad_config_json_is_one_line(tmp_path, fields, key):
+    cfg = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 100, **fields}
+    path = tmp_path / "config.json"
+    path.write_text(__import__("json").dumps(cfg))
+    line = _one_line_2(["plan", "qwen3-4b", "-o", f'model.name="{path}"'], "model.name:")
+    assert key in line, line
+
+
+def test_node_counts_are_bounded(tmp_path):
+    """nodes: 100000000 ran the split search out of memory."""
+    big = tmp_path / "big.yaml"
+    big.write_text("nodes: 100000000\ngpus_per_node: 8\ngpu: h200\n")
+    _one_line_2(["plan", "qwen3-4b", "--cluster", str(big)], "nodes: Input should be less than or equal to 100000")
+    _one_line_2(["plan", "qwen3-4b", "-o", "deployment.total_nodes=100000000"], "deployment.total_nodes:")
+
+
+def test_paths_too_long_for_the_filesystem_are_one_line():
+    long = "a" * 5000
+    _one_line_2(["plan", f"{long}.toml"], "recipe")
+    _one_line_2(["plan", "qwen3-4b", "-o", f'model.name="{long}"'], "model.name:")
+    _one_line_2(["plan", "qwen3-4b", "--cluster", f"{long}.yaml"], "cluster.profile:")
+
+
+def test_clone_into_an_unwritable_place_is_one_line(tmp_path, monkeypatch):
+    _one_line_2(["recipes", "clone", "qwen3-4b", str(tmp_path / ("b" * 300 + ".toml"))], "cannot write")
+
+    def refuse(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("rlctl.orchestrator.exchange.files.atomic_write_bytes", refuse)
+    line = _one_line_2(["recipes", "clone", "qwen3-4b", str(tmp_path / "x.toml")], "cannot write")
+    assert "Permission denied" in line
+
+
+# ---- nonsense values the schema refuses --------------------------------------------------------
+@pytest.mark.parametrize("override,key", [
+    ("trainer.optimizer.lr=inf", "trainer.optimizer.lr:"),
+    ("trainer.optimizer.lr=nan", "trainer.optimizer.lr:"),
+    ("trainer.optimizer.betas=[0.9, 2.0]", "trainer.optimizer.betas[1]:"),
+    ("trainer.optimizer.betas=[-0.1, 0.9]", "trainer.optimizer.betas[0]:"),
+    ("trainer.optimizer.weight_decay=-1.0", "trainer.optimizer.weight_decay:"),
+    ("trainer.loss.mask_high=0.5", "trainer.loss.mask_high:"),
+    ("trainer.fp8=1", "trainer.fp8:"),                       # an integer where a flag belongs
+    ("trainer.micro_batch_size=true", "trainer.micro_batch_size:"),  # a flag where a count belongs
+    ("trainer.cp=true", "trainer.cp:"),
+    ("deployment.trainer_nodes=true", "deployment.trainer_nodes:"),
+    ("inference.max_model_len=1000000000000000000000000000000", "inference.max_model_len:"),  # OverflowError before
+    ("inference.gpu_memory_utilization=nan", "inference.gpu_memory_utilization:"),
+    ("inference.kv_offload.cpu_gib=-inf", "inference.kv_offload.cpu_gib:"),
+    ("orchestrator.temperature=nan", "orchestrator.temperature:"),
+    ("orchestrator.rollouts_per_step=1000000000000000000000000000000", "orchestrator.rollouts_per_step:"),
+    ("orchestrator.expected_mean_tokens=0", "orchestrator.expected_mean_tokens:"),
+    ('orchestrator.seed="1"', "orchestrator.seed:"),
+    ("monitoring.metrics_interval=0", "monitoring.metrics_interval:"),
+    ("deployment.smoke.exit_code=256", "deployment.smoke.exit_code:"),
+])
+def test_nonsense_values_are_refused(override, key):
+    _one_line_2(["plan", "qwen3-4b", "-o", override], key)
+
+
+def test_degree_errors_say_what_is_allowed():
+    line = _one_line_2(["plan", "qwen3-4b", "-o", "trainer.cp=0"], "trainer.cp:")
+    assert "'auto' or an integer >= 1" in line and "constrained" not in line, line
+
+
+@pytest.mark.parametrize("text,key", [
+    ("interconnect_gbps: 0", "interconnect_gbps"), ("interconnect_gbps: -400", "interconnect_gbps"),
+    ("interconnect_gbps: .nan", "interconnect_gbps"), ("intra_node_gbps: .inf", "intra_node_gbps"),
+    ("gpus_per_node: true", "gpus_per_node"), ("nodes: '4'", "nodes"),
+])
+def test_profile_values_are_refused(tmp_path, text, key):
+    body = {"nodes": "nodes: 4", "gpus_per_node": "gpus_per_node: 8"}
+    lines = [body.get(k, "") for k in body if not text.startswith(k)] + [text, "gpu: h200"]
+    path = tmp_path / "p.yaml"
+    path.write_text("\n".join(line for line in lines if line) + "\n")
+    _one_line_2(["plan", "qwen3-4b", "--cluster", str(path)], f"{key}:")
+
+
+def test_recipe_json_round_trip_under_strict_types():
+    """Every component validates configs/recipe.json (lists, not tuples) again: strictness must not refuse it."""
+    import json
+
+    from rlctl.recipes.load import builtin_recipe_names
+
+    for name in builtin_recipe_names():
+        rec = load_recipe([name])
+        assert validate(json.loads(json.dumps(rec.model_dump(mode="json")))) == rec
+
+
+def test_print_json_never_writes_infinity(capsys):
+    import json
+
+    from rlctl.cli.common import print_json
+
+    print_json({"a": float("inf"), "b": [float("nan"), 1.5], "c": {"d": -float("inf")}})
+    out = capsys.readouterr().out
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == \
+        {"a": None, "b": [None, 1.5], "c": {"d": None}}

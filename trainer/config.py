@@ -1,33 +1,27 @@
 """The `[trainer]` section of a recipe: optimizer, parallelism, memory savers, loss."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import Field
 
-from rlctl.recipes.base import Degree, Seconds, StrictModel, positive_degree
+from rlctl.recipes.base import Count, Degree, Fraction, NonNegative, Seconds, StrictModel
 
 
 class OptimizerConfig(StrictModel):
     """AdamW settings."""
 
-    lr: float = 1e-6
-    """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW (beta1, beta2)."""
-    weight_decay: float = 0.0
+    lr: Annotated[float, Field(gt=0, le=1)] = 1e-6
+    """Peak learning rate, in (0, 1]."""
+    # strict=False on the pair only: recipe.json gives a JSON list; the two numbers stay strict.
+    betas: Annotated[tuple[Fraction, Fraction], Field(strict=False)] = (0.9, 0.999)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    weight_decay: NonNegative = 0.0
     """Decoupled weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: NonNegative = 1.0
     """Gradient-norm clip; 0 disables clipping."""
-    warmup_steps: int = 0
+    warmup_steps: Count = 0
     """Linear warm-up steps of the learning rate (constant afterwards)."""
-
-    @field_validator("lr")
-    @classmethod
-    def _lr_positive(cls, v: float) -> float:
-        if not v > 0:
-            raise ValueError("lr must be > 0")
-        return v
 
 
 class LossConfig(StrictModel):
@@ -35,10 +29,11 @@ class LossConfig(StrictModel):
 
     path: str = "rlctl.trainer.loss:importance_ratio_loss"
     """Dotted path `module:function` of the loss function."""
-    mask_low: float = 0.125
-    """Tokens whose trainer/inference probability ratio is below this are masked out."""
-    mask_high: float = 8.0
-    """Tokens whose trainer/inference probability ratio is above this are masked out."""
+    mask_low: Annotated[float, Field(ge=0, le=1)] = 0.125
+    """Tokens whose trainer/inference probability ratio is below this are masked out (in [0, 1]:
+    a bound above 1 would mask the on-policy tokens themselves)."""
+    mask_high: Annotated[float, Field(ge=1)] = 8.0
+    """Tokens whose trainer/inference probability ratio is above this are masked out (>= 1)."""
 
 
 class TrainerConfig(StrictModel):
@@ -56,7 +51,7 @@ class TrainerConfig(StrictModel):
     """Recompute activations in backward (full per-layer recompute): less memory, ~33% more compute."""
     fp8: bool = False
     """FP8 matmuls via torchao float8 training on GPUs with compute capability >= 8.9 (refused elsewhere)."""
-    micro_batch_size: int = 1
+    micro_batch_size: Annotated[int, Field(ge=1, le=4096)] = 1
     """Sequences per micro-batch per GPU."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of parameters (master weights and optimizer state stay fp32)."""
@@ -73,15 +68,3 @@ class TrainerConfig(StrictModel):
     (a smaller trainer/inference mismatch)."""
     batch_timeout_s: Seconds = 3600.0
     """Seconds the trainer waits for the orchestrator's next rollout batch before failing."""
-
-    @field_validator("fsdp", "ep", "cp", "tp")
-    @classmethod
-    def _degree(cls, v, info):
-        return positive_degree(v, info.field_name)
-
-    @field_validator("micro_batch_size")
-    @classmethod
-    def _mbs(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("micro_batch_size must be >= 1")
-        return v
