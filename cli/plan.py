@@ -1,6 +1,8 @@
-"""`rlctl plan`: size a run before launch (placement, memory, throughput, step times)."""
+"""`rlctl plan`: size a run before launch (placement, memory, throughput, step times, cost), and
+`rlctl plan --calibrate RUN`: fit the planner's efficiency constants to a finished run."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -11,7 +13,11 @@ HELP = """Plan RECIPE(s) on a cluster profile without launching anything.
 
 RECIPE is a TOML file or a built-in recipe name (`rlctl recipes list`). Several recipes are merged
 left to right (later tables override earlier keys); then every `-o key.path=value` override is applied
-in order (values are TOML literals: `-o trainer.cp=4 -o inference.fp8=true`)."""
+in order (values are TOML literals: `-o trainer.cp=4 -o inference.fp8=true`).
+
+With `--calibrate RUN`, the efficiency constants are fitted to the finished run's measured step times
+and written to a calibration file (`--calibration-out`); point a cluster profile at it
+(`calibration: PATH` in its YAML) and later plans on that profile use it."""
 
 
 def register(app: typer.Typer) -> None:
@@ -22,6 +28,9 @@ def register(app: typer.Typer) -> None:
         cluster: Optional[str] = typer.Option(None, "--cluster", "-c", help="Cluster profile name or YAML path (overrides cluster.profile)."),
         override: List[str] = typer.Option([], "--override", "-o", help="key.path=value override (repeatable)."),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+        calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="Finished run directory to fit the constants to."),
+        calibration_out: Optional[Path] = typer.Option(None, "--calibration-out", help="Where --calibrate writes (default RUN/calibration.toml)."),
+        calibration: Optional[Path] = typer.Option(None, "--calibration", help="Plan with this calibration file (overrides the profile's)."),
     ) -> None:
         from rlctl.recipes.clusters import load_profile
         from rlctl.recipes.load import load_recipe
@@ -29,10 +38,42 @@ def register(app: typer.Typer) -> None:
 
         overrides = list(override) + ([f'cluster.profile="{cluster}"'] if cluster else [])
         rec = load_recipe(recipe, overrides)
-        report = plan(rec, load_profile(rec.cluster.profile))
+        profile = load_profile(rec.cluster.profile)
+        if calibration is not None:
+            profile = profile.model_copy(update={"calibration": str(calibration)})
+        if calibrate is not None:
+            out = _calibrate(rec, profile, calibrate, calibration_out, as_json)
+            profile = profile.model_copy(update={"calibration": str(out)})
+        report = plan(rec, profile)
         if as_json:
             print_json(report.to_json())
         else:
             from rlctl.cli.plan_view import render
 
             render(report.to_json())
+
+
+def _calibrate(rec, profile, run: Path, out: Optional[Path], as_json: bool) -> Path:
+    """Fit and write the file; returns its path (the plan printed next uses it)."""
+    from rlctl.recipes.errors import RecipeError
+    from rlctl.recipes.run_calibration import calibrate
+
+    if not (run / "run.json").is_file():
+        raise RecipeError(f"{run} is not a run directory (no run.json)", key="--calibrate")
+    out = out if out is not None else run / "calibration.toml"
+    written = calibrate(run, profile, out, recipe=_pinned(rec, run))
+    if not as_json:
+        from rlctl.cli.plan_view import render_calibration
+
+        render_calibration(written, profile.name)
+    return out
+
+
+def _pinned(rec, run: Path):
+    """The recipe given, its node split pinned to the one the run used (an `auto` split could move)."""
+    from rlctl.recipes.run_calibration import run_recipe
+
+    ran = run_recipe(run)
+    for side in ("trainer_nodes", "inference_nodes"):
+        setattr(rec.deployment, side, getattr(ran.deployment, side))
+    return rec

@@ -27,9 +27,19 @@ def compute_placement(recipe, profile=None) -> Placement:
     return plan(recipe, profile).placement
 
 
-def plan(recipe, profile=None) -> PlanReport:
-    """Size `recipe` on `profile` (ClusterProfile, or None to load `recipe.cluster.profile`)."""
-    return build_report(recipe, _profile(recipe, profile))
+def plan(recipe, profile=None, calibration: str | None = None) -> PlanReport:
+    """Size `recipe` on `profile` (ClusterProfile, or None to load `recipe.cluster.profile`), with the
+    constants of `calibration` (a calibration file; default: the profile's `calibration`, if any)."""
+    from rlctl.recipes.plan_extras import add_extras
+    from rlctl.recipes.run_calibration import applied, load_calibration
+
+    profile = _profile(recipe, profile)
+    path = calibration or getattr(profile, "calibration", None)
+    with applied(load_calibration(path) if path else None):
+        report = build_report(recipe, profile)
+        add_extras(report, recipe, profile)
+    report.calibration = path
+    return report
 
 
 __all__ = ["PlanReport", "RecipeError", "compute_placement", "plan"]

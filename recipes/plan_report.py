@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 from rlctl.orchestrator.exchange.placement import DEGREE_KEYS, Placement
+from rlctl.recipes import calibration as C
 from rlctl.trainer.degrees import resolve_dims
 from rlctl.trainer.fp8 import check_fp8
 
@@ -46,6 +49,51 @@ def cpu_placement(recipe, profile) -> Placement:
     )
 
 
+def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: float) -> dict:
+    """Trainer step of a CPU run: a fixed cost per step and per micro-batch (what dominates a tiny model)
+    plus training FLOPs over the cores of the trainer nodes (what dominates a real one)."""
+    from rlctl.trainer.plan import flops_per_token
+
+    ranks = max(1, placement.trainer_ranks_per_node * placement.trainer_nodes)
+    rows = max(1, math.ceil(tokens / max(1.0, mean_seq)))  # sequences in the batch
+    micro_batches = math.ceil(rows / ranks / max(1, recipe.trainer.micro_batch_size))
+    flops = tokens * sum(flops_per_token(spec, mean_seq))
+    cores = max(1, profile.cpus_per_node) * max(1, placement.trainer_nodes)
+    compute_s = flops / (cores * C.CPU_TRAIN_FLOPS_PER_CORE)
+    overhead_s = C.CPU_TRAIN_STEP_OVERHEAD_S + micro_batches * C.CPU_TRAIN_MICROBATCH_OVERHEAD_S
+    step = compute_s + overhead_s
+    return {"step_time_s": step, "tokens_per_s": tokens / step, "compute_s": compute_s, "overhead_s": overhead_s,
+            "micro_batches": micro_batches, "flops_per_token": flops / max(1, tokens),
+            "mfu": None}
+
+
+def cpu_rollout_time(spec, recipe, profile, placement, rollouts: int, mean: int, completion: int,
+                     in_flight: int) -> dict:
+    """Rollout step of a CPU run: decode steps (weights streamed from memory, GEMMs on the cores, a fixed
+    scheduler cost) times the waves the KV cache allows, a per-token serving cost, and prefill FLOPs."""
+    from rlctl.inference.plan import kv_bytes_per_token_per_gpu, weight_bytes
+
+    servers = max(1, placement.inference_servers)
+    kv_tokens = recipe.inference.kv_cache_gib_cpu * 2**30 / max(1.0, kv_bytes_per_token_per_gpu(spec, 1))
+    per_server = min(C.VLLM_MAX_NUM_SEQS, int(kv_tokens // max(1, mean)))
+    concurrency = max(1, min(in_flight, rollouts, servers * per_server))
+    batch = concurrency / servers
+    waves = math.ceil(rollouts / concurrency)
+    cores = max(1, profile.cpus_per_node) * max(1, placement.inference_nodes)
+    core_share = cores / servers  # servers on the same nodes split the cores
+    weights = sum(weight_bytes(spec, False))
+    flops_tok = 2.0 * spec.active_params
+    step_s = (C.CPU_DECODE_STEP_OVERHEAD_S + weights / C.CPU_MEM_BYTES_PER_S
+              + batch * flops_tok / (core_share * C.CPU_INFER_FLOPS_PER_CORE)
+              + batch * C.CPU_DECODE_TOKEN_OVERHEAD_S)
+    prompt = max(0, mean - completion)
+    prefill_s = rollouts * prompt * flops_tok / (cores * C.CPU_INFER_FLOPS_PER_CORE)
+    rollout_s = waves * completion * step_s + prefill_s
+    return {"rollout_step_time_s": rollout_s, "decode_step_s": step_s, "concurrency": concurrency,
+            "decode_tokens_per_s": concurrency / step_s, "prefill_s": prefill_s,
+            "max_concurrent_rollouts": servers * per_server}
+
+
 @dataclass
 class PlanReport:
     recipe: str
@@ -62,6 +110,12 @@ class PlanReport:
     warnings: list = field(default_factory=list)
     disk: dict = field(default_factory=dict)
     """Run-directory disk: bytes per step and at the peak (see `rlctl.recipes.plan_disk`)."""
+    cost: dict = field(default_factory=dict)
+    """GPU-hours per step and per run, wall time to max_steps (see `rlctl.recipes.plan_extras`)."""
+    off_policy: dict = field(default_factory=dict)
+    """Off-policy lag the plan implies, against the bound."""
+    calibration: str | None = None
+    """The calibration file whose constants the plan used (None: the built-in ones)."""
 
     def to_json(self) -> dict:
         """Machine-readable plan; numbers are SI (seconds, tokens/s, bytes) except the *_gib memory fields."""
@@ -70,4 +124,5 @@ class PlanReport:
             "placement": self.placement.to_dict(), "groups": self.groups, "trainer": self.trainer,
             "inference": self.inference, "orchestrator": self.orchestrator, "bottleneck": self.bottleneck,
             "errors": list(self.errors), "warnings": list(self.warnings), "disk": self.disk,
+            "cost": self.cost, "off_policy": self.off_policy, "calibration": self.calibration,
         }
