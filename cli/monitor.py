@@ -29,7 +29,40 @@ def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> Path:
 def _snapshot(run_dir: Path):
     from rlctl.cli.follow import snapshot
 
-    return snapshot(run_dir)
+    summary, metrics = snapshot(run_dir)
+    return with_plan(summary, run_dir), metrics
+
+
+_PLANS: dict[str, dict] = {}
+
+
+def planned_times(run_dir: Path) -> dict:
+    """The plan's step times for a run, planned again from the recipe and placement in its run.json
+    (what launch records is the placement only); {} when the run cannot be planned any more (its
+    profile is gone, say). Planned once per run and process: the live view refreshes every second."""
+    key = str(Path(run_dir).resolve())
+    if key not in _PLANS:
+        from rlctl.recipes.clusters import load_profile
+        from rlctl.recipes.errors import RecipeError
+        from rlctl.recipes.plan import plan
+        from rlctl.recipes.run_calibration import run_recipe
+
+        try:
+            recipe = run_recipe(Path(run_dir))
+            orch = plan(recipe, load_profile(recipe.cluster.profile)).orchestrator
+            _PLANS[key] = {"trainer_step_time_s": orch["trainer_step_time_s"],
+                           "orchestrator_step_time_s": orch["step_time_s"],
+                           "rollout_step_time_s": orch["rollout_step_time_s"]}
+        except (RecipeError, OSError, ValueError):
+            _PLANS[key] = {}
+    return _PLANS[key]
+
+
+def with_plan(summary: dict, run_dir: Path) -> dict:
+    """`summary` with the plan's step times beside the measured ones (those the manifest had win)."""
+    planned = {k: v for k, v in planned_times(run_dir).items() if v is not None}
+    summary["predicted"] = {**planned, **(summary.get("predicted") or {})}
+    return summary
 
 
 def write_plot(run_dir: Path, out: Path) -> None:
@@ -116,7 +149,7 @@ def register(app: typer.Typer) -> None:
         if wait:
             from rlctl.cli.follow import follow
 
-            summary = follow(run_dir, quiet=as_json, interval=interval, timeout=timeout)
+            summary = with_plan(follow(run_dir, quiet=as_json, interval=interval, timeout=timeout), run_dir)
         elif once or as_json or plot is not None:
             summary, metrics = _snapshot(run_dir)
             if not as_json and (once or plot is None):

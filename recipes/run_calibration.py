@@ -190,8 +190,9 @@ def _fit_side(recipe, profile, names: dict, index: int, target: float, base: dic
 
 def fit(recipe, profile, measured: dict, base: dict | None = None) -> tuple[dict, dict]:
     """(fitted constants, scale per side). The rollout side is fitted to the orchestrator step when the
-    run was rollout-bound (the plan's async step is then the rollout step; what the orchestrator adds
-    per step and the weight reload pauses belong to it), else to the generation time alone."""
+    run was rollout-bound (generating took longer than a trainer step: the plan's async step is then the
+    rollout step, and what the orchestrator adds per step and the weight reload pauses belong to it),
+    else to the generation time alone (the off-policy gate's wait is the trainer's pace, not inference's)."""
     base = dict(base or {})
     sides = _sides(recipe, profile, base)
     constants, scales = {}, {}
@@ -199,7 +200,7 @@ def fit(recipe, profile, measured: dict, base: dict | None = None) -> tuple[dict
         scales["trainer"], fitted = _fit_side(recipe, profile, sides["trainer"], 0, measured["trainer_step_time_s"], base)
         constants.update(fitted)
     trainer_s = _times(recipe, profile, {**base, **constants})[0]
-    rollout_bound = measured["orchestrator_step_time_s"] > trainer_s
+    rollout_bound = measured["generation_time_s"] > trainer_s  # the gate rarely held the orchestrator
     target = measured["orchestrator_step_time_s"] if rollout_bound else measured["generation_time_s"]
     if sides["inference"]:
         scales["inference"], fitted = _fit_side(recipe, profile, sides["inference"], 1, target, {**base, **constants})

@@ -361,3 +361,28 @@ def test_a_new_attempt_clears_announcements_and_heartbeats(tmp_path):
     atomic_write_json(run.heartbeats / "trainer.json", {"component": "trainer"})
     resume(run, dry_run=True)
     assert run.announced("inference") == [] and not list(run.heartbeats.glob("*.json"))
+
+
+def test_monitor_shows_plan_beside_measured_for_a_cpu_run(tmp_path, cli):
+    """What launch records is the placement only; monitor plans the run's recipe again, so the plan
+    column is filled for every run, CPU ones included."""
+    from rlctl.orchestrator.exchange.files import append_jsonl
+    from rlctl.recipes.load import load_recipe
+
+    run = tmp_path / "cpu-run"
+    (run / "status").mkdir(parents=True)
+    recipe = load_recipe([str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.toml")])
+    atomic_write_json(run / "run.json", {
+        "name": "cpu-run", "run_dir": str(run), "scheduler": "local", "job_id": None, "attempt": 1, "groups": [],
+        "recipe": recipe.model_dump(mode="json"), "plan": {"trainer_nodes": 1, "inference_nodes": 1},
+        "placement": {"trainer_nodes": 1, "inference_nodes": 1}, "submit_time": time.time()})
+    for step in range(3):
+        append_jsonl(run / "metrics" / "trainer.jsonl", {"component": "trainer", "step": step, "time": time.time(),
+                                                        "trainer_step_time_s": 0.2, "wait_batch_s": 0.0})
+    out = cli("monitor", run, "--json")
+    assert out.exit_code == 0, out.output
+    predicted = json.loads(out.output)["predicted"]
+    assert predicted["trainer_step_time_s"] > 0 and predicted["orchestrator_step_time_s"] > 0
+    out = cli("monitor", run, "--once")
+    row = next(line for line in out.output.splitlines() if "trainer step" in line)
+    assert f"{predicted['trainer_step_time_s']:.3g}" in row
