@@ -1,6 +1,7 @@
 """Shared CLI plumbing: one-line errors with exit code 2, JSON output, the console."""
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
@@ -33,8 +34,20 @@ def user_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             typer.echo("rlctl: interrupted", err=True)
             raise typer.Exit(130)
+        except OSError as e:
+            # A path the user gave that cannot be used (too long, not there, not allowed) and that no
+            # check before caught: still one line. Other OS errors (disk full, I/O) are failures, exit 1.
+            if e.filename is None or e.errno not in _BAD_PATH:
+                raise
+            from rlctl.recipes.errors import shown
+
+            fail(f"{shown(str(e.filename))}: {e.strerror}", USAGE_ERROR)
 
     return wrapper
+
+
+_BAD_PATH = {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
+             errno.ELOOP, errno.EROFS}
 
 
 def print_json(obj: Any) -> None:

@@ -253,3 +253,11 @@ def test_print_json_never_writes_infinity(capsys):
     out = capsys.readouterr().out
     assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == \
         {"a": None, "b": [None, 1.5], "c": {"d": None}}
+
+
+def test_an_unusable_path_no_check_caught_is_still_one_line(tmp_path):
+    """The last net of the CLI: an OSError naming a path (here the profile's calibration file, 5000
+    characters long) is one line with exit 2, whichever module opened it."""
+    profile = tmp_path / "p.yaml"
+    profile.write_text(f"nodes: 4\ngpus_per_node: 8\ngpu: h200\ncalibration: {'a' * 5000}\n")
+    _one_line_2(["plan", "qwen3-4b", "--cluster", str(profile)], "File name too long")
