@@ -2,22 +2,16 @@
 server, vllm-router, orchestrator and a 2-rank FSDP2 trainer — learns the task within max_steps."""
 from __future__ import annotations
 
-import subprocess
-import time
-
 import pytest
-from e2e_checks import RLCTL, TINY, assert_contract_keys, leftover_processes, metrics, monitor_json
+from e2e_checks import assert_contract_keys, leftover_processes, metrics, monitor_json
 
 pytestmark = pytest.mark.slow
 
 
-def test_tiny_recipe_learns_locally_and_leaves_nothing_behind(tmp_path):
-    # No --cluster: the recipe's own profile (local) picks the local launcher, as in the README.
-    t0 = time.monotonic()
-    out = subprocess.run([*RLCTL, "launch", TINY, "--name", "e2e", "-o", f"deployment.output_dir={tmp_path}", "--wait"],
-                         capture_output=True, text=True, timeout=900)
-    took = time.monotonic() - t0
-    run = tmp_path / "e2e"
+def test_tiny_recipe_learns_locally_and_leaves_nothing_behind(tiny_cpu_run):
+    # No --cluster: the recipe's own profile (local) picks the local launcher, as in the README. The
+    # run (conftest.py) is shared with the other slow tests that need a finished tiny run.
+    out, took, run = tiny_cpu_run.out, tiny_cpu_run.took, tiny_cpu_run.run
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
     assert "local supervisor pid" in out.stdout  # the local launcher, not a Slurm submission
 
