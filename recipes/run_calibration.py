@@ -38,7 +38,6 @@ def measured_medians(run_dir: Path) -> dict:
     """Median trainer step, orchestrator step and rollout time (orchestrator step minus the time the
     off-policy gate held it) of a run's metrics; the first step (server start, warm-up) is left out
     when there are others."""
-    from rlctl.launchers.run_summary import by_step
     from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord, TrainerStepRecord, keys_of, read_records
 
     (trainer_key,) = keys_of(TrainerStepRecord, "trainer_step_time_s")
@@ -54,6 +53,12 @@ def measured_medians(run_dir: Path) -> dict:
                           "(metrics/*.jsonl); let the run finish some steps first", key="--calibrate")
     return {"trainer_step_time_s": statistics.median(t), "orchestrator_step_time_s": statistics.median(o),
             "generation_time_s": statistics.median(g), "steps": min(len(t), len(o))}
+
+
+def by_step(records: list[dict], component: str) -> list[dict]:
+    """One record per step of `component` (the last written wins), in step order."""
+    latest = {r["step"]: r for r in records if r.get("component") == component and isinstance(r.get("step"), int)}
+    return [latest[s] for s in sorted(latest)]
 
 
 def _number(v) -> bool:
