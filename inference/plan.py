@@ -64,11 +64,26 @@ def kv_bytes_per_token_per_gpu(spec, tp: int) -> float:
     return full / min(tp, spec.num_key_value_heads)
 
 
+def activation_reserve_bytes(spec, tp: int, lora_bytes: float = 0.0) -> float:
+    """What vLLM keeps outside the KV cache besides the weights: the activation peak of its profiling
+    forward pass (VLLM_MAX_NUM_BATCHED_TOKENS tokens through the widest layer, split over tp), the
+    sampler's fp32 logits for VLLM_MAX_NUM_SEQS sequences, non-torch memory and CUDA graphs, and the
+    LoRA adapters it holds. Llama-3.1-8B on one H100: ≈ 1.2 GiB + 0.5 GiB, as vLLM logs it."""
+    tokens = C.VLLM_MAX_NUM_BATCHED_TOKENS
+    inter = spec.intermediate_size
+    if spec.is_moe:
+        inter = max(inter if spec.dense_layers else 0, spec.num_experts_per_tok * spec.moe_intermediate_size)
+    width = 2 * inter + 4 * spec.hidden_size  # gate/up output + residual, normed input, attention output
+    act = tokens * width * 2 / tp
+    sampler = C.VLLM_MAX_NUM_SEQS * spec.vocab_size * 4 / tp
+    return act + sampler + C.VLLM_NON_TORCH_GIB * GIB + lora_bytes
+
+
 def choose_tp(spec, fp8: bool, gpu, util: float, gpus_per_node: int, ep: bool) -> int:
     """Smallest power-of-two TP (≤ a node) whose weights leave at least half the budget for KV cache."""
-    budget = util * gpu.hbm_bytes - C.INFER_ACTIVATION_GIB * GIB
     tp = 1
     while tp < max(1, gpus_per_node):
+        budget = util * gpu.hbm_bytes - activation_reserve_bytes(spec, tp)
         other, expert = weights_per_gpu(spec, fp8, tp, gpus_per_node if ep else tp)
         if other + expert <= 0.5 * budget and spec.num_attention_heads % tp == 0:
             break
@@ -77,7 +92,8 @@ def choose_tp(spec, fp8: bool, gpu, util: float, gpus_per_node: int, ep: bool) -
 
 
 def decode_step(spec, *, batch: float, ctx: float, tp: int, ep_group: int, ep_inter_node: bool, fp8: bool,
-                gpu, weights_other: float, weights_expert: float, kv_per_tok_gpu: float) -> tuple[float, str]:
+                gpu, weights_other: float, weights_expert: float, kv_per_tok_gpu: float,
+                eager: bool = False) -> tuple[float, str]:
     """Seconds per decode step of one DP rank holding `batch` sequences, and what bounds it."""
     # Experts touched this step: with T routed tokens in the EP group, each expert is hit with
     # probability 1 - (1 - k/E)^T; untouched experts are not read.
@@ -90,7 +106,8 @@ def decode_step(spec, *, batch: float, ctx: float, tp: int, ep_group: int, ep_in
         kv_read = min(ctx, spec.index_topk) * latent + ctx * (kv_per_tok_gpu - latent)
     else:
         kv_read = ctx * kv_per_tok_gpu
-    mem_s = (weights_other + weights_expert * touched + batch * kv_read) / (gpu.hbm_tbps * 1e12 * C.DECODE_HBM_EFF)
+    hbm = gpu.hbm_tbps * 1e12 * C.per_kind(C.DECODE_HBM_EFF, gpu.name)
+    mem_s = (weights_other + weights_expert * touched + batch * kv_read) / hbm
     peak = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12
     attn_flops = 4 * spec.num_hidden_layers * spec.num_attention_heads * (spec.qk_dim + spec.v_dim) / 2 * min(
         ctx, spec.index_topk or ctx)
@@ -101,21 +118,38 @@ def decode_step(spec, *, batch: float, ctx: float, tp: int, ep_group: int, ep_in
     if spec.is_moe and ep_group > tp:
         lat = C.EP_A2A_LATENCY_INTER_S if ep_inter_node else C.EP_A2A_LATENCY_INTRA_S
         comm_s += 2 * spec.moe_layers * lat
+    if eager:  # no CUDA graphs: each layer's kernels are launched one by one from Python
+        comm_s += spec.num_hidden_layers * C.DECODE_EAGER_STEP_OVERHEAD_PER_LAYER_S
     bound = "memory-bandwidth" if mem_s >= compute_s else "compute"
     return max(mem_s, compute_s) + comm_s + C.DECODE_STEP_OVERHEAD_S, bound
 
 
 def prefill_tokens_per_s(spec, gpus: int, gpu, fp8: bool, mean_ctx: float) -> float:
+    """Compute-bound prefill: matmuls at PREFILL_GEMM_EFF of the (fp8 or bf16) peak, causal attention
+    over `mean_ctx` earlier tokens at the efficiency of vLLM's attention kernel on this GPU (bf16)."""
     peak = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12
     ctx = min(mean_ctx, spec.index_topk) if spec.index_topk else mean_ctx
-    flops = 2 * spec.active_params + 4 * spec.num_hidden_layers * spec.num_attention_heads * (
-        spec.qk_dim + spec.v_dim) / 2 * ctx
-    return gpus * peak * C.PREFILL_MFU / flops
+    attn = 4 * spec.num_hidden_layers * spec.num_attention_heads * (spec.qk_dim + spec.v_dim) / 2 * ctx
+    kernel = C.per_kind(C.INFER_ATTENTION_KERNEL, gpu.name)
+    s_per_token = (2 * spec.active_params / (peak * C.PREFILL_GEMM_EFF)
+                   + attn / (gpu.bf16_tflops * 1e12 * C.per_kind(C.PREFILL_ATTN_EFF, kernel)))
+    return gpus / s_per_token
+
+
+def _kv_budget(spec, inf, gpu, tp: int, ep_group: int, lora_bytes: float) -> tuple[float, float, float]:
+    """(KV-cache bytes per GPU, non-expert weight bytes, expert weight bytes) of one replica's GPU:
+    gpu_memory_utilization × the device total, less weights, the activation reserve and adapters."""
+    w_other, w_expert = weights_per_gpu(spec, inf.fp8, tp, ep_group)
+    budget = (inf.gpu_memory_utilization * gpu.hbm_bytes - activation_reserve_bytes(spec, tp, lora_bytes)
+              - w_other - w_expert)
+    return budget, w_other, w_expert
 
 
 def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: int, mean_tokens: int,
-                   completion_tokens: int, max_in_flight: int, tp: int, dp: int | None) -> InferencePlan:
-    """Size inference on `nodes` nodes for one batch of `rollouts` rollouts (degrees already validated)."""
+                   completion_tokens: int, max_in_flight: int, tp: int, dp: int | None,
+                   lora_params: int = 0) -> InferencePlan:
+    """Size inference on `nodes` nodes for one batch of `rollouts` rollouts (degrees already validated).
+    `lora_params` > 0: every engine serves the policy's current adapter (bf16) beside the frozen base."""
     gpus = nodes * gpus_per_node
     notes: list[str] = []
     dis = inf.disaggregation
@@ -128,12 +162,25 @@ def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: 
         prefill_gpus, decode_gpus = 0, gpus
         replica_gpus = dp * tp if dp else tp
         replicas = max(1, gpus // replica_gpus)
-    ep_group = replica_gpus if (inf.ep and spec.is_moe) else tp
-    w_other, w_expert = weights_per_gpu(spec, inf.fp8, tp, ep_group)
-    budget = inf.gpu_memory_utilization * gpu.hbm_bytes - C.INFER_ACTIVATION_GIB * GIB - w_other - w_expert
+    moe_ep = bool(inf.ep and spec.is_moe)
+    ep_group = replica_gpus if moe_ep else tp
+    lora_bytes = C.LORA_MAX_LORAS * lora_params * 2.0 / tp
+    budget, w_other, w_expert = _kv_budget(spec, inf, gpu, tp, ep_group, lora_bytes)
     kv_tok_gpu = kv_bytes_per_token_per_gpu(spec, tp)
     kv_tokens = max(0, int(budget // kv_tok_gpu))
     fits = budget > 0
+    if not fits:
+        notes.append(f"weights need {(w_other + w_expert) / GIB:.1f} GiB/GPU, more than the "
+                     f"{inf.gpu_memory_utilization:.2f} × {gpu.hbm_gib:.1f} GiB budget less activations")
+    if dis.enabled:  # prefill replicas hold the same weights over their own EP group and need KV for a prompt
+        p_group = dis.prefill_nodes_per_replica * gpus_per_node if moe_ep else tp
+        p_budget, p_other, p_expert = _kv_budget(spec, inf, gpu, tp, p_group, lora_bytes)
+        if p_budget < kv_tok_gpu * min(inf.max_model_len, C.VLLM_MAX_NUM_BATCHED_TOKENS):
+            fits = False
+            notes.append(f"prefill replicas ({dis.prefill_nodes_per_replica} node(s) each) need "
+                         f"{(p_other + p_expert) / GIB:.1f} GiB/GPU of weights and leave no KV cache for a "
+                         f"prompt in {inf.gpu_memory_utilization:.2f} × {gpu.hbm_gib:.1f} GiB — raise "
+                         "inference.disaggregation.prefill_nodes_per_replica")
     ranks = max(1, decode_gpus // tp)
     prompt = max(0, mean_tokens - completion_tokens)
     # Each DP rank (tp GPUs) holds its own sequences; its KV capacity is what one GPU holds.
@@ -141,17 +188,15 @@ def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: 
     max_concurrent = ranks * min(per_rank_at_max, C.VLLM_MAX_NUM_SEQS)
     per_rank_at_mean = min(kv_tokens // max(1, mean_tokens), C.VLLM_MAX_NUM_SEQS)
     concurrency = max(0, min(max_in_flight, ranks * per_rank_at_mean))
-    if not fits:
-        notes.append(f"weights need {(w_other + w_expert) / GIB:.1f} GiB/GPU, more than the "
-                     f"{inf.gpu_memory_utilization:.2f} × {gpu.hbm_gib:.0f} GiB budget")
-    elif concurrency < max_in_flight:
+    if fits and concurrency < max_in_flight:
         notes.append(f"KV cache holds only {concurrency} rollouts of {mean_tokens} tokens at once "
                      f"(orchestrator wants {max_in_flight} in flight)")
     batch = max(concurrency / ranks, 1e-9)
     ctx = prompt + completion_tokens / 2
     step_s, bound = decode_step(spec, batch=max(batch, 1.0), ctx=ctx, tp=tp, ep_group=ep_group,
                                 ep_inter_node=ep_group > gpus_per_node, fp8=inf.fp8, gpu=gpu,
-                                weights_other=w_other, weights_expert=w_expert, kv_per_tok_gpu=kv_tok_gpu)
+                                weights_other=w_other, weights_expert=w_expert, kv_per_tok_gpu=kv_tok_gpu,
+                                eager=getattr(inf, "enforce_eager", False))
     decode_tps = ranks * batch / step_s if concurrency else 0.0
     prefill_tps = prefill_tokens_per_s(spec, prefill_gpus or decode_gpus, gpu, inf.fp8, prompt / 2)
     decode_time = rollouts * completion_tokens / decode_tps if decode_tps else math.inf
@@ -159,7 +204,7 @@ def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: 
     # Disaggregated prefill runs beside decode; otherwise both share the same GPUs.
     rollout_s = max(decode_time, prefill_time) if dis.enabled else decode_time + prefill_time
     return InferencePlan(
-        gpus=gpus, tp=tp, dp_per_replica=max(1, replica_gpus // tp), ep=bool(inf.ep and spec.is_moe),
+        gpus=gpus, tp=tp, dp_per_replica=max(1, replica_gpus // tp), ep=moe_ep,
         replicas=replicas, prefill_gpus=prefill_gpus, decode_gpus=decode_gpus,
         weights_gib_per_gpu=round((w_other + w_expert) / GIB, 2),
         kv_cache_gib_per_gpu=round(max(0.0, budget) / GIB, 2), kv_bytes_per_token=kv_tok_gpu,

@@ -3,27 +3,75 @@
 The planner is a roofline model: time = work / (peak × efficiency). The peaks come from the GPU
 catalog (recipes/hardware.py); the efficiencies below are the only tuned numbers. Each is a
 physical quantity (a fraction of a datasheet peak, a latency, a byte count), not a correction
-applied to a final result. `tests/test_plan.py` checks the calibration runs stay within ±25%.
+applied to a final result. Dicts are keyed by GPU kind (a key of hardware.GPUS) or attention kernel;
+the planner reads every name at call time as `C.NAME`, so a calibration file may replace them.
+`tests/test_plan_published.py` checks the planner against published runs (its table names each source).
 """
 from __future__ import annotations
 
-# ---- trainer (FSDP2) ----------------------------------------------------------------------------
-TRAIN_MFU_DENSE = 0.30
-"""Achieved fraction of the bf16 peak for dense matmuls in FSDP2 eager training (no torch.compile).
-Fitted to torchtitan Llama-3.1-8B, 8×H100, seq 8192, selective AC: 5,762 tok/s/GPU."""
-TRAIN_ATTN_EFF = 0.25
-"""Achieved fraction of the bf16 peak in flash-attention forward/backward (lower than GEMMs)."""
-TRAIN_MOE_GEMM_EFF = 0.25
+# ---- trainer (FSDP2): matmuls ------------------------------------------------------------------
+TRAIN_GEMM_EFF = {"h100-96gb": 0.42, "h100-sxm": 0.52, "h200": 0.52, "b200": 0.52, "a100-80gb": 0.60,
+                  "cpu": 0.5}
+"""Achieved fraction of the dense BF16 peak in the trainer's large matmuls (bf16 in, fp32 accumulate).
+h100-96gb: fitted to torchtitan Llama-3.1-8B on 8 power-capped (500 W) H100s, 5,762 tok/s/GPU
+(pytorch/torchtitan docs/performance.md Table 1), with the attention, elementwise and launch terms below.
+h100-sxm (700 W): fitted to NeMo AutoModel Qwen3-30B-A3B on a DGX-H100, 11,842 tok/s/GPU
+(NVIDIA-NeMo/Automodel docs/performance-summary.md). h200 has the H100's tensor cores and clocks:
+the same fraction (its faster HBM enters through TRAIN_ELEMENTWISE_BYTES_PER_HIDDEN). b200: no FSDP2
+figure found; assumed the H100 SXM fraction. a100-80gb: torchtitan's A100 Llama-3 8B run reports
+56.8% MFU (selective AC, torch.compile) — the matmul fraction lies above that."""
+TRAIN_FP8_GEMM_SPEEDUP = {"h100-96gb": 1.5, "h100-sxm": 1.5, "h200": 1.5, "b200": 1.5, "a100-80gb": 1.0,
+                          "cpu": 1.0}
+"""Speed-up of the linear layers with FP8 rowwise/tensorwise training (torchao float8), relative to bf16.
+The tensor cores are 2× faster but the casts and amax reductions are not free: torchtitan 8B goes
+6,667 → 8,532 tok/s/GPU with Float8 (Table 1); with attention and elementwise time unchanged this is
+≈1.5× on the matmuls. No FP8 units on A100 (the trainer refuses fp8 there)."""
+TRAIN_MOE_GEMM_EFF = 0.55
 """Grouped expert GEMMs relative to dense GEMMs: few tokens per expert per micro-batch, token
-permutation and load imbalance. Fitted to the prime-rl GLM-5 trainer step (3.7 min on 12 H200 nodes)."""
-TRAIN_FP8_GEMM_SPEEDUP = 1.34
-"""Speed-up of matmuls with FP8 block-scaled training (torchtitan 8B: compile 6,667 → Float8 8,532 tok/s/GPU,
-attention unchanged, so the linear layers gained ≈1.34×)."""
+permutation, padding to the GEMM tile. Fitted with the GLM-5 trainer step (3.7 min on 12 H200 nodes,
+prime-rl) and NeMo AutoModel Qwen3-30B-A3B (DeepEP, balanced gate) on DGX-H100."""
+MOE_ROUTING_IMBALANCE = 1.6
+"""Tokens on the busiest expert-parallel rank over the mean, with a learned router in RL (no auxiliary
+balancing at this point of training): it scales the expert GEMM time and the all-to-all. Fitted with
+the GLM-5 trainer step (3.7 min, prime-rl) after TRAIN_MOE_GEMM_EFF was fitted on a benchmark with a
+forced balanced gate (NeMo AutoModel's `fake_balanced_gate: true`, imbalance 1)."""
+
+# ---- trainer: attention -------------------------------------------------------------------------
+TRAIN_ATTN_EFF = {"fa2": 0.33, "fa3": 0.50, "sdpa-masked": 0.15, "cpu": 0.5}
+"""Achieved fraction of the bf16 peak in causal flash attention forward + backward, by kernel.
+FlashAttention-2 on H100 reaches ≈35% of peak forward and less backward; FlashAttention-3 (Hopper
+warp-specialised) 1.5–2× that (Shah et al. 2024, arXiv:2407.08608, Figs. 5–7: FA2 ≈ 330–370, FA3
+≈ 500–660 TFLOP/s forward bf16 at 8k–16k heads-dim 128). The trainer calls torch SDPA, which runs
+FA2 kernels on Hopper. Fitted with torchtitan Table 2 (8B at 32k–262k) together with the CP penalty.
+sdpa-masked: SDPA given an explicit mask (DSA models such as GLM-5 train dense attention under the
+indexer's mask, as the HF reference does) cannot use the flash kernel and falls back to the
+memory-efficient one, about half as fast as FA2 (FlashAttention-2 paper, arXiv:2307.08691, Fig. 4:
+xformers/cutlass vs FA2); with the GLM-5 trainer step."""
+TRAINER_ATTENTION_KERNEL = "fa2"
+"""The kernel the trainer runs (torch SDPA's flash backend = FlashAttention-2)."""
+CP_ATTN_PENALTY_PER_DOUBLING = 0.35
+"""Ring/Ulysses context parallelism: extra attention time per doubling of cp (load imbalance of the
+causal mask, exposed KV exchange, smaller attention blocks). Fitted to torchtitan 8B Table 2
+(FSDP × CP at 65k–262k: 2,540 / 1,071 / 548 tok/s/GPU)."""
+
+# ---- trainer: memory-bound work and fixed costs -------------------------------------------------
+TRAIN_ELEMENTWISE_BYTES_PER_HIDDEN = {"eager": 420.0, "compiled": 150.0}
+"""HBM bytes moved per token, per layer, per unit of hidden size by the non-matmul kernels of one
+forward + backward (RMSNorm, RoPE, SwiGLU, residual adds, dtype casts, FSDP copy-in/out). Eager
+PyTorch reads and writes each intermediate in its own kernel; torch.compile fuses them (fewer passes).
+Fitted to torchtitan 8B Table 1: FSDP 5,762 → FSDP + torch.compile 6,667 tok/s/GPU, with the
+matmul time unchanged. This is the term that makes H200 (4.8 TB/s) faster than H100 at equal FLOP/s."""
+TRAIN_HBM_EFF = 0.8
+"""Achieved fraction of HBM bandwidth in streaming elementwise kernels."""
+TRAIN_LAYER_LAUNCH_S = {"eager": 1.2e-3, "compiled": 0.6e-3}
+"""Fixed cost per layer per micro-batch (forward + backward): kernel launches, FSDP2 pre/post hooks,
+stream waits, the CPU side of autograd. It does not shrink with the tokens of the micro-batch, which is
+why trainer throughput stays nearly flat between short and long sequences at equal tokens per step."""
 RECOMPUTE_FACTOR_FULL_AC = 4.0 / 3.0
-"""Full activation checkpointing re-runs the forward pass: 3 units of compute become 4."""
-CP_ATTN_PENALTY_PER_DOUBLING = 0.2
-"""Ring/Ulysses context parallelism: extra attention time per doubling of cp (load imbalance,
-exposed KV exchange). torchtitan 8B Table 2 shows attention slowing ≈1.0–1.7× from cp 2 to 8."""
+"""Full activation checkpointing re-runs the forward pass: 3 units of compute become 4 (LoRA: its
+backward has no weight gradients of the base, so the forward is 1/2 of the rest, see trainer/plan.py)."""
+
+# ---- trainer: network and memory ----------------------------------------------------------------
 NET_EFF = 0.7
 """Achieved fraction of link bandwidth for NCCL all-gather/reduce-scatter and all-to-all."""
 TRAIN_RESERVED_GIB = 5.0
@@ -32,28 +80,75 @@ LOGITS_CHUNK_TOKENS = 4096
 """The trainer computes the LM head and its loss in chunks of this many tokens (fp32 logits + grad)."""
 
 # ---- inference (vLLM) ---------------------------------------------------------------------------
-DECODE_HBM_EFF = 0.75
-"""Achieved fraction of HBM bandwidth while streaming weights and KV cache in decode."""
+DECODE_HBM_EFF = {"h100-sxm": 0.75, "h100-96gb": 0.75, "h200": 0.75, "b200": 0.7, "a100-80gb": 0.75,
+                  "cpu": 0.5}
+"""Achieved fraction of HBM bandwidth while streaming weights and KV cache in decode. Fitted to vLLM
+decoding a 7B model on one H100 at 64 concurrent sequences: ≈6,300 tok/s (the original calibration);
+H200 shares the H100's memory system design (HBM3e at 4.8 TB/s); B200 assumed slightly lower."""
 DECODE_COMPUTE_EFF = 0.45
 """Achieved fraction of the tensor-core peak for decode GEMMs at large batch."""
 DECODE_STEP_OVERHEAD_S = 0.003
-"""Per decode step: scheduling, sampling, detokenization (vLLM V1 with CUDA graphs). With the two
-above, fitted to vLLM decoding a 7B model on one H100 at 64 concurrent sequences: ≈6,300 tok/s."""
-PREFILL_MFU = 0.5
-"""Achieved fraction of peak in compute-bound prefill (chunked prefill, large token batches)."""
+"""Per decode step: scheduling, sampling, detokenization (vLLM V1 with CUDA graphs)."""
+DECODE_EAGER_STEP_OVERHEAD_PER_LAYER_S = 60e-6
+"""Extra per decode step and layer with `enforce_eager` (no CUDA graphs: every kernel is launched
+from Python; vLLM's docs warn of markedly lower decode throughput)."""
+PREFILL_GEMM_EFF = 0.45
+"""Achieved fraction of peak in the matmuls of compute-bound prefill (chunked, ≤ 8192-token batches,
+mixed with decode). Fitted to vLLM 0.11 serving Qwen3-32B on one H100, 100 random prompts of 32,000
+tokens (gpustack docs/performance-lab/qwen3-32b/h100.md: 1,157 s)."""
+INFER_ATTENTION_KERNEL = {"h100-sxm": "fa3", "h100-96gb": "fa3", "h200": "fa3", "b200": "fa3",
+                          "a100-80gb": "fa2", "cpu": "cpu"}
+"""vLLM's attention backend by GPU: FlashAttention-3 on Hopper/Blackwell, FA2 on Ampere."""
+PREFILL_ATTN_EFF = {"fa2": 0.30, "fa3": 0.35, "cpu": 0.5}
+"""Forward-only causal flash attention over a paged KV cache in chunked prefill, fraction of peak:
+below the kernels' dense benchmarks (FA3 paper, arXiv:2407.08608: ≈ 50–60% forward causal bf16)
+because each chunk attends to a paged prefix in blocks; with the 32k-prompt row above."""
 EP_A2A_LATENCY_INTRA_S = 30e-6
 """One expert-parallel dispatch or combine inside a node (NVLink, DeepEP low-latency kernels)."""
 EP_A2A_LATENCY_INTER_S = 120e-6
 """One expert-parallel dispatch or combine across nodes (RDMA; DeepEP low-latency kernels)."""
 TP_ALLREDUCE_LATENCY_S = 12e-6
 """One tensor-parallel all-reduce of a decode step's activations over NVLink."""
-INFER_ACTIVATION_GIB = 4.0
-"""Activation peak + CUDA graphs + sampler buffers that vLLM reserves outside the KV cache."""
+VLLM_MAX_NUM_BATCHED_TOKENS = 8192
+"""vLLM's default token budget per scheduler step for serving on ≥ 70 GB GPUs; its memory profiling
+runs one forward pass of this many tokens, which sets the activation peak kept out of the KV cache."""
+VLLM_NON_TORCH_GIB = 0.5
+"""Memory vLLM counts outside PyTorch's allocator (NCCL, cuBLAS workspaces) plus CUDA graphs: vLLM
+logs `non_torch_memory takes 0.1–0.4GiB` on one H100, CUDA graphs ≈ 0.1–0.5 GiB."""
 VLLM_MAX_NUM_SEQS = 1024
 """vLLM's default cap on running sequences per engine (DP rank) on ≥ 70 GB GPUs."""
 KV_BYTES = 2.0
 """KV-cache element size (bf16; vLLM keeps the model dtype unless kv_cache_dtype is set)."""
-CPU_DECODE_TOKENS_PER_S = 3000.0
-"""Measured: vLLM CPU build, tiny Qwen3, 256–512 concurrent short requests on a 2-core box."""
-CPU_TRAIN_TOKENS_PER_S = 20000.0
-"""Measured: FSDP2 on gloo, tiny Qwen3, 2 ranks (≈72 ms per 64×64-token step incl. optimizer)."""
+LORA_MAX_LORAS = 1
+"""Adapters each vLLM engine keeps on the GPU for RL (the policy's current one)."""
+
+# ---- CPU path (vLLM CPU build, FSDP2 on gloo; the model is recipes/plan_report.py) ---------------
+# Measured on the tiny-cpu recipe (tiny Qwen3, 0.1M params) on a 2-core box shared with other work:
+# median trainer step 0.23 s (4 micro-batches per rank), median orchestrator step 0.38 s (512
+# rollouts × 2 tokens). Tiny models are overhead-bound; the FLOP and byte terms take over for real
+# models. `rlctl plan --calibrate RUN` refits these to a finished run.
+CPU_TRAIN_FLOPS_PER_CORE = 10e9
+"""Achieved fp32 FLOP/s per core in FSDP2 forward + backward on CPU (AVX2/AVX-512 GEMMs, autograd)."""
+CPU_TRAIN_STEP_OVERHEAD_S = 0.03
+"""Per trainer step on CPU: optimizer step, gloo gradient reduce-scatter, batch read."""
+CPU_TRAIN_MICROBATCH_OVERHEAD_S = 0.03
+"""Per micro-batch on CPU: launching the forward/backward ops of a small model (Python, autograd)."""
+CPU_INFER_FLOPS_PER_CORE = 10e9
+"""Achieved FLOP/s per core of the vLLM CPU build in prefill and decode GEMMs."""
+CPU_MEM_BYTES_PER_S = 20e9
+"""Memory bandwidth a CPU decode step streams the weights at (one socket, DDR4/DDR5)."""
+CPU_DECODE_STEP_OVERHEAD_S = 0.01
+"""Per decode step of the vLLM CPU build: scheduler, input preparation."""
+CPU_DECODE_TOKEN_OVERHEAD_S = 3e-4
+"""Per generated token on CPU: sampling, detokenization, streaming through router and orchestrator
+(1,024 tokens per step in ≈0.33 s in the tiny-cpu run)."""
+
+# ---- shared filesystem --------------------------------------------------------------------------
+FS_WRITE_BYTES_PER_S = 1e9
+"""Write bandwidth of one writer to the shared filesystem (checkpoints, weights): ≈1 GB/s per client on
+Lustre/GPFS/NFS over 10–100 GbE."""
+
+
+def per_kind(table: dict, kind: str):
+    """A per-GPU-kind (or per-kernel) constant; an unknown key falls back to the H100 SXM value."""
+    return table.get(kind, table.get("h100-sxm", next(iter(table.values()))))

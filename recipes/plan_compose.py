@@ -10,9 +10,10 @@ from rlctl.recipes import calibration as C
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.models import get_model_spec
 from rlctl.recipes.plan_disk import plan_disk
-from rlctl.recipes.plan_report import PlanReport, cpu_groups, cpu_placement, orchestrator_site
+from rlctl.recipes.plan_report import (PlanReport, cpu_groups, cpu_placement, cpu_rollout_time, cpu_trainer_time,
+                                       orchestrator_site)
 from rlctl.trainer.degrees import ParallelDims
-from rlctl.trainer.plan import memory_breakdown, plan_trainer
+from rlctl.trainer.plan import lora_params, lora_rank, memory_breakdown, plan_trainer
 
 AUTO = "auto"
 
@@ -28,6 +29,9 @@ def _pow2_upto(n: int) -> list[int]:
 def check_static(recipe, spec, profile) -> None:
     """Impossible parallelism or node counts: one RecipeError naming the key."""
     tr, inf, dep = recipe.trainer, recipe.inference, recipe.deployment
+    if not 0 <= spec.dense_layers <= spec.num_hidden_layers:  # else negative MoE layers, memory and time
+        raise RecipeError(f"{spec.name} declares {spec.dense_layers} dense (mlp_only / first_k_dense) layers but has "
+                          f"{spec.num_hidden_layers} layers", key="model.name")
     if isinstance(tr.ep, int) and tr.ep > 1:
         if not spec.is_moe:
             raise RecipeError(f"ep={tr.ep} but {spec.name} is a dense model (no experts); use ep = 1", key="trainer.ep")
@@ -57,6 +61,13 @@ def check_static(recipe, spec, profile) -> None:
     if dep.total_nodes is not None and not 2 <= dep.total_nodes <= profile.nodes:
         raise RecipeError(f"total_nodes must be in 2..{profile.nodes} (the cluster size)", key="deployment.total_nodes")
     dis = inf.disaggregation
+    inf_gpus = None if dep.inference_nodes == AUTO else dep.inference_nodes * profile.gpus_per_node
+    if isinstance(inf.dp, int) and profile.gpus_per_node:
+        replica = inf.dp * (inf.tp if isinstance(inf.tp, int) else 1)
+        room = (dis.decode_nodes_per_replica * profile.gpus_per_node if dis.enabled else inf_gpus)
+        if room is not None and replica > room:
+            raise RecipeError(f"dp × tp = {replica} GPUs per replica but the {'decode replica' if dis.enabled else 'inference nodes'} "
+                              f"have {room}; lower inference.dp (at most {max(1, room // (replica // inf.dp))})", key="inference.dp")
     if dis.enabled:
         need = dis.prefill_replicas * dis.prefill_nodes_per_replica + dis.decode_replicas * dis.decode_nodes_per_replica
         if dep.inference_nodes != AUTO and need > dep.inference_nodes:
@@ -64,6 +75,25 @@ def check_static(recipe, spec, profile) -> None:
                               key="inference.disaggregation")
         if min(dis.prefill_replicas, dis.prefill_nodes_per_replica, dis.decode_replicas, dis.decode_nodes_per_replica) < 1:
             raise RecipeError("replica and node counts must be >= 1", key="inference.disaggregation")
+
+
+def _lora_targets(tr) -> tuple:
+    return tuple(tr.lora.target_modules) if lora_rank(tr) else ()
+
+
+def rollout_shape(o, max_model_len: int) -> tuple[int, int, str | None]:
+    """(mean tokens per rollout, mean completion tokens, a warning when assumed). Without
+    `expected_mean_tokens`, completions average half of max_tokens and prompts half the room that
+    max_model_len leaves them — never a prompt of 0 tokens, which would make prefill free."""
+    if o.expected_mean_tokens:
+        mean = min(o.expected_mean_tokens, max_model_len)
+        return mean, min(o.max_tokens, mean), None
+    completion = max(1, min(o.max_tokens, max_model_len) // 2)
+    prompt = max(1, (max_model_len - min(o.max_tokens, max_model_len)) // 2)
+    mean = min(max_model_len, prompt + completion)
+    return mean, min(completion, mean), (
+        f"orchestrator.expected_mean_tokens is not set: planning with {mean - min(completion, mean)}-token prompts "
+        f"and {completion}-token completions (half of the room max_model_len and max_tokens give); set it")
 
 
 def _trainer_degrees(recipe, spec, world: int, gpn: int):
@@ -88,7 +118,8 @@ def _trainer(recipe, spec, profile, gpu, nodes: int, tokens: int, mean_seq: int,
     mem = lambda cp: memory_breakdown(spec, shard=(fsdp or world // (cp * tp)) * cp * tp, ep=ep, cp=cp, tp=tp,  # noqa: E731
                                       seq_len=seq, micro_batch=tr.micro_batch_size,
                                       activation_checkpointing=tr.activation_checkpointing,
-                                      optimizer_dtype=tr.optimizer_dtype)[0]["total"]
+                                      optimizer_dtype=tr.optimizer_dtype, lora_rank=lora_rank(tr),
+                                      lora_targets=_lora_targets(tr))[0]["total"]
     cands = [c for c in _pow2_upto(world) if seq % c == 0 and world % (c * model_ranks_base) == 0]
     if tr.cp == AUTO:
         cp = next((c for c in cands if mem(c) <= gpu.hbm_gib), cands[-1] if cands else 1)
@@ -132,7 +163,9 @@ def _inference(recipe, spec, profile, gpu, nodes: int, rollouts: int, mean: int,
     gpn = profile.gpus_per_node
     tp = inf.tp if inf.tp != AUTO else choose_tp(spec, inf.fp8, gpu, inf.gpu_memory_utilization, gpn, inf.ep)
     dp = inf.dp if inf.dp != AUTO else max(1, gpn // tp)
+    lora = lora_params(spec, lora_rank(recipe.trainer), _lora_targets(recipe.trainer))
     return plan_inference(spec, inf, nodes=nodes, gpus_per_node=gpn, gpu=gpu, rollouts=rollouts, mean_tokens=mean,
+                          lora_params=lora,
                           completion_tokens=completion, max_in_flight=in_flight, tp=tp, dp=dp)
 
 
@@ -207,14 +240,13 @@ def _cpu_report(recipe, spec, profile, shape, errors, warnings):
     budget = profile.mem_gib_per_node / max(1, ranks)
     if mem["total"] > budget:
         errors.append(f"trainer needs {mem['total']:.1f} GiB per rank but a rank gets {budget:.1f} GiB of host memory")
-    trainer_s = tokens / C.CPU_TRAIN_TOKENS_PER_S
-    rollout_s = rollouts * completion / C.CPU_DECODE_TOKENS_PER_S
+    cpu_t = cpu_trainer_time(spec, recipe, profile, placement, tokens, mean)  # the CPU model: plan_report.py
+    cpu_r = cpu_rollout_time(spec, recipe, profile, placement, rollouts, mean, completion, in_flight)
+    trainer_s, rollout_s = cpu_t["step_time_s"], cpu_r["rollout_step_time_s"]
     trainer = {"gpus": 0, "ranks": ranks, "fsdp": deg["dp_shard"], "ep": deg["ep"], "cp": deg["cp"], "tp": deg["tp"],
                "dp_replicate": deg["dp_replicate"], "memory_gib": mem,
-               "memory_gib_per_gpu": mem["total"], "step_time_s": trainer_s, "tokens_per_s": C.CPU_TRAIN_TOKENS_PER_S,
-               "tokens_per_step": tokens}
-    inference = {"gpus": 0, "tp": 1, "servers": placement.inference_servers, "decode_tokens_per_s": C.CPU_DECODE_TOKENS_PER_S,
-                 "rollout_step_time_s": rollout_s, "max_concurrent_rollouts": in_flight,
+               "memory_gib_per_gpu": mem["total"], **cpu_t, "tokens_per_step": tokens}
+    inference = {"gpus": 0, "tp": 1, "servers": placement.inference_servers, **cpu_r,
                  "kv_cache_gib_per_gpu": recipe.inference.kv_cache_gib_cpu, "completion_tokens": completion}
     return placement, trainer, inference, trainer_s, rollout_s
 
@@ -224,12 +256,11 @@ def build_report(recipe, profile):
     spec = get_model_spec(recipe.model.name)
     check_static(recipe, spec, profile)
     o = recipe.orchestrator
-    mean = min(o.mean_tokens, recipe.inference.max_model_len)
-    completion = min(o.max_tokens, mean)
+    mean, completion, assumed = rollout_shape(o, recipe.inference.max_model_len)
     in_flight = o.max_in_flight or 2 * o.rollouts_per_step
     shape = (o.rollouts_per_step, mean, completion, in_flight, o.rollouts_per_step * mean)
     errors: list[str] = []
-    warnings: list[str] = []
+    warnings: list[str] = [assumed] if assumed else []
     if o.max_tokens > recipe.inference.max_model_len:
         warnings.append(f"orchestrator.max_tokens={o.max_tokens} exceeds inference.max_model_len="
                         f"{recipe.inference.max_model_len}; rollouts will be truncated")

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from rlctl.recipes.base import Count, Degree, Fraction, NonNegative, Seconds, StrictModel
+from rlctl.trainer.lora_config import LoRAConfig
 
 
 class OptimizerConfig(StrictModel):
@@ -68,3 +69,5 @@ class TrainerConfig(StrictModel):
     (a smaller trainer/inference mismatch)."""
     batch_timeout_s: Seconds = 3600.0
     """Seconds the trainer waits for the orchestrator's next rollout batch before failing."""
+    lora: LoRAConfig = LoRAConfig()
+    """Low-rank adapters (`rank` > 0) instead of full fine-tuning; planned by `rlctl plan`."""
