@@ -35,10 +35,9 @@ from e2e_checks import leftover_processes, running, wait_for  # noqa: E402
 from rlctl.orchestrator.exchange.layout import RunDir  # noqa: E402
 from rlctl.orchestrator.exchange.files import atomic_write_json  # noqa: E402
 from rlctl.recipes.load import load_recipe  # noqa: E402
+from inference_fixtures import HOST, START_TIMEOUT_S, served, start_inference  # noqa: E402
 
-HOST = "127.0.0.1"
 PROMPT = [1] + list(range(4, 40))  # <bos> then 36 characters of the tiny vocabulary
-START_TIMEOUT_S = 900
 
 
 def make_run(root: Path, *overrides: str) -> RunDir:
@@ -51,42 +50,12 @@ def make_run(root: Path, *overrides: str) -> RunDir:
     return run
 
 
-def start_inference(run: RunDir, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "RLCTL_RUN_DIR": str(run.root), "RLCTL_BIND_HOST": HOST, "RLCTL_SERVER_INDEX": "0",
-           "RLCTL_GROUP": "inference", "RLCTL_ATTEMPT": "1"}
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "rlctl.inference", "--run-dir", str(run.root)], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("inference-run")
     run = make_run(root / "run")
-    log = root / "inference.log"
-    started = time.monotonic()
-    proc = start_inference(run, log)
-    announcement = run.services / "inference" / "0.json"
-    try:
-        while not announcement.exists():
-            if proc.poll() is not None:
-                pytest.fail(f"inference exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            if time.monotonic() - started > START_TIMEOUT_S:
-                pytest.fail(f"inference not ready after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        info = json.loads(announcement.read_text())
-        print(f"\n[measure] server start (python -m rlctl.inference → announced): {time.monotonic() - started:.1f} s")
+    with served(run, root / "inference.log") as (info, proc):
         yield run, info, run.admin_token(), proc
-        (run.root / "DONE").write_text("")
-        assert proc.wait(120) == 0, log.read_text()[-4000:]
-        assert not announcement.exists()
-        # the server's whole process group is gone the moment the wrapper exits (engine core and
-        # resource_tracker included: they ignore or may swallow SIGTERM): no orphans, not even briefly
-        assert not leftover_processes(run.root)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def transformers_prompt_logprobs(model_dir: Path, state: dict | None = None) -> list[float]:

@@ -144,7 +144,7 @@ def test_batch_stacks_payloads_of_different_lengths_padded_with_minus_one():
 # ---- the rollout loop asks for whole completions and stores the payload ---------------------------------
 
 def test_loop_stores_routed_experts_of_each_choice(tmp_path):
-    aiohttp = pytest.importorskip("aiohttp")
+    pytest.importorskip("aiohttp")
     from aiohttp import web
 
     from rlctl.orchestrator.environments import load_environment
@@ -244,21 +244,14 @@ def test_router_replay_on_cpu_without_triton_cpu_is_refused_naming_the_key():
 # ---- the real vLLM CPU server on the tiny MoE -----------------------------------------------------------
 
 PROMPT = [1] + list(range(4, 24))  # <bos> then 20 characters of the tiny vocabulary
-START_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
     """`python -m rlctl.inference` on tiny-qwen3-moe, as the launchers start it; routed experts on where
     this vLLM can return them (a Triton CPU backend), else off (the recipe would be refused)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     pytest.importorskip("vllm")
-    from e2e_checks import leftover_processes
+    from inference_fixtures import served
     from rlctl.inference.server import triton_has_cpu_backend
     from rlctl.orchestrator.exchange.files import atomic_write_json
     from rlctl.orchestrator.exchange.layout import RunDir
@@ -267,33 +260,12 @@ def moe_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-inference")
     run = RunDir(root / "run")
     run.create()
-    recipe = _recipe(f"trainer.router_replay={str(routed).lower()}")
-    atomic_write_json(run.recipe_json, recipe.model_dump(mode="json"))
+    atomic_write_json(run.recipe_json, _recipe(f"trainer.router_replay={str(routed).lower()}").model_dump(mode="json"))
     run.admin_token(create=True)
     run.api_key(create=True)
     log = root / "inference.log"
-    env = {**os.environ, "RLCTL_RUN_DIR": str(run.root), "RLCTL_BIND_HOST": "127.0.0.1", "RLCTL_SERVER_INDEX": "0",
-           "RLCTL_GROUP": "inference", "RLCTL_ATTEMPT": "1"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rlctl.inference", "--run-dir", str(run.root)], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    announcement = run.services / "inference" / "0.json"
-    started = time.monotonic()
-    try:
-        while not announcement.exists():
-            if proc.poll() is not None:
-                pytest.fail(f"inference exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            if time.monotonic() - started > START_TIMEOUT_S:
-                pytest.fail(f"inference not ready after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield run, json.loads(announcement.read_text()), log, routed
-        (run.root / "DONE").write_text("")
-        assert proc.wait(120) == 0, log.read_text()[-4000:]
-        assert not leftover_processes(run.root)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with served(run, log) as (info, _proc):
+        yield run, info, log, routed
 
 
 def _served(run, info, **extra) -> dict:
