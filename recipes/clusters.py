@@ -90,6 +90,8 @@ def load_profile(ref: str) -> ClusterProfile:
         raise RecipeError(f"cluster profile is not UTF-8 text: {path}") from None
     except RecursionError:
         raise RecipeError(f"cluster profile {path} is {TOO_DEEP}", key="cluster.profile") from None
+    except ValueError as e:  # an integer longer than Python converts (4300 digits)
+        raise RecipeError(f"malformed YAML in {path}: {shown(str(e), 100)}", key="cluster.profile") from None
     except OSError as e:
         raise RecipeError(f"cannot read cluster profile {path}: {e.strerror}", key="cluster.profile") from None
     if not isinstance(data, dict):

@@ -28,10 +28,20 @@ def format_validation_error(err, prefix: str = "") -> str:
     if any(_is_union_tag(p) for p in first.get("loc", ())):
         msg = "invalid value; allowed: " + " or ".join(sorted({_union_member(e) for e in err.errors()}))
     value = first.get("input")
-    shown = repr(value) if not isinstance(value, dict) else "a table"
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return f"{key}: {msg} (got {shown})"
+    return f"{key}: {msg} (got {'a table' if isinstance(value, dict) else _short_repr(value)})"
+
+
+def _short_repr(value) -> str:
+    """repr() cut to 60 characters without building the whole of it: a YAML alias bomb is a list of
+    10⁹ items sharing storage, and an int of 5000 digits has no repr at all."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 2, 4, 4, 4, 4
+    r.maxstring = r.maxother = 60
+    r.maxlong = 40
+    text = r.repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _allowed_keys(err, loc) -> list[str]:

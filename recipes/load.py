@@ -52,6 +52,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise RecipeError(f"recipe path is a directory, not a TOML file: {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"malformed TOML in {path}: {e}") from None
+    except ValueError as e:  # an integer longer than Python converts (4300 digits)
+        raise RecipeError(f"malformed TOML in {path}: {shown(str(e), 100)}") from None
     except UnicodeDecodeError:
         raise RecipeError(f"recipe file is not UTF-8 text: {path}") from None
     except RecursionError:
@@ -86,6 +88,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = raw
     except RecursionError:
         raise RecipeError(f"override {shown(text)!r}: value {TOO_DEEP}") from None
+    except ValueError:  # TOML that Python cannot hold: an integer of thousands of digits
+        raise RecipeError(f"override {shown(text)!r}: the value is not a number Python can read") from None
     return parts, value
 
 

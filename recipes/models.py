@@ -277,6 +277,8 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
         raise RecipeError(f"malformed config.json at {path}: {e}", key="model.name") from None
     except RecursionError:
         raise RecipeError(f"config.json at {path} is {TOO_DEEP}", key="model.name") from None
+    except ValueError as e:  # an integer longer than Python converts (4300 digits)
+        raise RecipeError(f"malformed config.json at {path}: {shown(str(e), 100)}", key="model.name") from None
     except OSError as e:
         raise RecipeError(f"cannot read {path}: {e.strerror}", key="model.name") from None
     return spec_from_hf_config(cfg, str(name_or_path))

@@ -261,3 +261,31 @@ def test_an_unusable_path_no_check_caught_is_still_one_line(tmp_path):
     profile = tmp_path / "p.yaml"
     profile.write_text(f"nodes: 4\ngpus_per_node: 8\ngpu: h200\ncalibration: {'a' * 5000}\n")
     _one_line_2(["plan", "qwen3-4b", "--cluster", str(profile)], "File name too long")
+
+
+def test_integers_python_cannot_read_are_one_line(tmp_path):
+    """Integers of more than 4300 digits raise ValueError in every parser (int() refuses them)."""
+    digits = "9" * 5000
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[model]\nname = "qwen3-4b"\n[trainer]\ncp = {digits}\n')
+    _one_line_2(["plan", str(recipe)], "malformed TOML")
+    _one_line_2(["plan", "qwen3-4b", "-o", f"trainer.cp={digits}"], "not a number")
+    profile = tmp_path / "p.yaml"
+    profile.write_text(f"nodes: {digits}\ngpus_per_node: 8\n")
+    _one_line_2(["plan", "qwen3-4b", "--cluster", str(profile)], "cluster.profile:")
+    config = tmp_path / "config.json"
+    config.write_text(f'{{"hidden_size": {digits}, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 9}}')
+    _one_line_2(["plan", "qwen3-4b", "-o", f'model.name="{config}"'], "model.name:")
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    """9 levels of 9 aliases: a list of 9⁹ items sharing storage; the error message used to repr() it all."""
+    import time
+
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"{cur}: &{cur} [" + ",".join([f"*{prev}"] * 9) + "]" for prev, cur in zip("abcdefgh", "bcdefghi")]
+    profile = tmp_path / "bomb.yaml"
+    profile.write_text("\n".join(lines) + "\nnodes: *i\ngpus_per_node: 8\n")
+    start = time.monotonic()
+    _one_line_2(["plan", "qwen3-4b", "--cluster", str(profile)], "nodes: Input should be a valid integer")
+    assert time.monotonic() - start < 5

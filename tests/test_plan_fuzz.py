@@ -43,10 +43,19 @@ class Deep:
         self.depth = depth
 
 
+class Digits:
+    """An integer of `count` digits, written as text: Python's int() refuses more than 4300."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+
 # ---- writing TOML / YAML / JSON by hand: the values must reach the parsers exactly as generated ----------
 def _scalar(v, style: str) -> str:
     if isinstance(v, Deep):
         return "[" * v.depth + "1" + "]" * v.depth
+    if isinstance(v, Digits):
+        return "9" * v.count
     if isinstance(v, bool):
         return "true" if v else "false"
     if v is None:
@@ -108,7 +117,7 @@ CONFIG_PATHS = [(f,) for f in ModelSpec.__dataclass_fields__ if f not in ("name"
 INTS = [0, -1, 1, 2, 3, 5, 8, 64, 1000, 10 ** 6, 10 ** 9, 10 ** 12, 10 ** 18, 10 ** 30, 10 ** 400, -10 ** 9]
 FLOATS = [0.0, -0.0, 0.5, -1.5, 1e-300, 1e300, float("nan"), float("inf"), float("-inf")]
 ODD = ["", "x", "auto", "1", "nan", "模型", "\u0000", "\U0001f4a5" * 3, "ä" * 5000, True, False, [], [1, 2],
-       [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] * 50, {}, {"a": 1}, None]
+       [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] * 50, {}, {"a": 1}, None, Digits(5000)]
 
 
 def _plausible(rng: random.Random, old):
@@ -235,7 +244,8 @@ def check_plan(plan: dict, profile_file: Path, recipe_file: Path) -> None:
     hbm = gpu_spec(profile.gpu).hbm_gib
     assert trainer["memory_gib_per_gpu"] <= hbm * 1.001, ("trainer rank exceeds its GPU", trainer, hbm)
     # vLLM's budget is gpu_memory_utilization × the GPU: weights and KV cache must both be inside it.
-    budget = hbm * load_recipe([str(recipe_file)]).inference.gpu_memory_utilization
+    recipe = load_recipe([str(recipe_file)], [f'cluster.profile="{profile_file}"'])  # as --cluster did
+    budget = hbm * recipe.inference.gpu_memory_utilization
     used = inference["weights_gib_per_gpu"] + inference["kv_cache_gib_per_gpu"]
     assert used <= budget * 1.001, ("inference GPU exceeds its memory", inference, budget)
 
