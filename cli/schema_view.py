@@ -3,8 +3,29 @@ from __future__ import annotations
 
 
 def _type_name(ann) -> str:
+    """`int`, `'auto' | int[>= 1, <= 6400000]`, `tuple[float[>= 0, < 1], ...]`: types with their bounds."""
+    from typing import Annotated, Literal, Union, get_args, get_origin
+    import types
+
+    origin, args = get_origin(ann), get_args(ann)
+    if origin is Annotated:
+        return _type_name(args[0]) + _bounds(args[1:])
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None and args:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
     text = getattr(ann, "__name__", None) or str(ann)
     return text.replace("typing.", "").replace("NoneType", "None")
+
+
+def _bounds(metadata) -> str:
+    """`[>= 1, <= 100000]` from pydantic's Field(...) / annotated_types metadata."""
+    flat = [c for m in metadata for c in (getattr(m, "metadata", None) or [m])]
+    found = [f"{op} {getattr(m, k)}" for m in flat for k, op in
+             (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, k, None) is not None]
+    return f"[{', '.join(found)}]" if found else ""
 
 
 def schema_lines() -> list[str]:
@@ -24,7 +45,7 @@ def schema_lines() -> list[str]:
                 walk(ann, path + ".")
                 continue
             default = "required" if f.is_required() else repr(f.default)
-            lines.append(f"{path}: {_type_name(ann)} = {default}  # {doc}")
+            lines.append(f"{path}: {_type_name(ann)}{_bounds(f.metadata)} = {default}  # {doc}")
 
     walk(Recipe, "")
     return lines

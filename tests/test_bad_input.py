@@ -289,3 +289,12 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     start = time.monotonic()
     _one_line_2(["plan", "qwen3-4b", "--cluster", str(profile)], "nodes: Input should be a valid integer")
     assert time.monotonic() - start < 5
+
+
+def test_the_schema_view_shows_the_bounds():
+    """`rlctl recipes show --schema` says what the checks above allow, union members included."""
+    r = runner.invoke(app, ["recipes", "show", "--schema"])
+    lines = {line.split(":")[0]: line for line in r.output.splitlines() if ":" in line}
+    assert "float[> 0, <= 1]" in lines["trainer.optimizer.lr"]
+    assert "'auto' | int[>= 1," in lines["trainer.cp"]
+    assert "tuple[float[>= 0, < 1], float[>= 0, < 1]]" in lines["trainer.optimizer.betas"]
