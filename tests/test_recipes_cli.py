@@ -18,7 +18,7 @@ def test_list_show_schema():
     r = runner.invoke(app, ["recipes", "show", "--schema"])
     assert r.exit_code == 0
     assert "trainer.cp: " in r.output and "Context-parallel degree" in r.output
-    assert "orchestrator.max_off_policy_steps: int = 1" in r.output
+    assert "orchestrator.max_off_policy_steps: int[>= 0, <= 65536] = 1" in r.output
 
 
 def test_clone_refuses_overwrite(tmp_path):
