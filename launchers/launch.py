@@ -128,6 +128,9 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
     local_model = Path(recipe.model.name).expanduser()
     if not local_model.is_absolute() and local_model.exists():
         recipe.model.name = str(local_model.resolve())
+    from rlctl.orchestrator.datasets import check_dataset
+
+    check_dataset(recipe.orchestrator)  # bad paths or columns fail here (exit 2); paths travel absolute
     placement = compute_placement(recipe, profile)
     if profile.scheduler == "slurm" and placement.orchestrator == "cpu_partition" and not profile.partitions.cpu:
         raise RecipeError("orchestrator_placement is 'cpu_partition' but the profile has no cpu partition",

@@ -113,15 +113,16 @@ async def watch_router_workers(router_url: str, api_key: str, server_urls: list[
 
 async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[str], admin_token: str,
                       api_key: str) -> None:
-    from rlctl.orchestrator.environments import load_environment
+    from rlctl.orchestrator.dataset_environment import build_environment
     from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
+    from rlctl.orchestrator.rewards import RewardScorer
     from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchWriter
     from rlctl.orchestrator.exchange.retention import record_serving, sweep_orchestrator_staging
     from rlctl.orchestrator.weight_watcher import WeightWatcher, inference_reloader
 
     sweep_orchestrator_staging(run)  # before the first write: leftovers are a killed orchestrator's
     cfg = recipe.orchestrator
-    env = load_environment(cfg.environment.name, cfg.environment.args)
+    env = build_environment(recipe, run)
     start_step = resume_start_step(run)
     rng, base_counters = restore_progress(run, cfg.seed, env, start_step)
     end_step = cfg.max_steps
@@ -155,14 +156,17 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
         lambda: loop.heartbeat_state() if loop else (policy.version, "trainer (final weights)")))
     watch_task = asyncio.create_task(watcher.run())
     guard_task = asyncio.create_task(watch_router_workers(router_url, api_key, server_urls))
+    evaluator, eval_task = start_evaluation(run, recipe, env, router_url, api_key, policy, start_step)
     try:
         if start_step < end_step:
             log(f"collecting batches {start_step}..{end_step - 1} via {router_url}")
             settings = LoopSettings.from_config(cfg, start_step=start_step)
             settings.max_steps = end_step - start_step
             settings.routed_experts = recipe.trainer.router_replay  # payload.routed_experts in every batch
+            scorer = RewardScorer.build(cfg.reward, env, cfg.environment.name, cfg.environment.args)
+            await scorer.start()  # a reward that cannot load fails here, before any generation
             loop = RolloutLoop(settings, env, router_url, api_key, policy, FilesystemBatchWriter(run.rollouts),
-                               rng=rng, on_batch=on_batch, before_write=save_progress)
+                               rng=rng, on_batch=on_batch, before_write=save_progress, scorer=scorer)
             await _until_first(loop.run(), watch_task, guard_task)
             loop = None  # from here on the beats say: waiting for the trainer's final weights
         log(f"all {end_step} batches written; waiting for the trainer's final weights step_{end_step}")
@@ -175,14 +179,35 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
                 raise OrchestratorError(f"trainer did not publish weights/step_{end_step} within "
                                          f"{cfg.final_weights_timeout_s:g} s (orchestrator.final_weights_timeout_s)")
             await asyncio.sleep(0.1)
+        if evaluator is not None:  # the final policy's evaluation, before DONE stops the servers
+            await evaluator.finish(end_step)
         await monitor.finish(end_step - 1)
     finally:
+        if eval_task is not None:
+            eval_task.cancel()
+            await asyncio.gather(eval_task, return_exceptions=True)
         monitor_task.cancel()
         watch_task.cancel()
         guard_task.cancel()
         await asyncio.gather(monitor_task, watch_task, guard_task, return_exceptions=True)
         monitor.forwarder.close()
         await close()
+
+
+def start_evaluation(run: RunDir, recipe, env, router_url: str, api_key: str, policy, start_step: int):
+    """(evaluator, its background task) for `[orchestrator.eval]`, or (None, None) when it is off."""
+    from rlctl.orchestrator.dataset_environment import eval_environment
+    from rlctl.orchestrator.evaluation import Evaluator
+
+    eval_env = eval_environment(recipe, run, env)
+    if eval_env is None:
+        return None, None
+    cfg = recipe.orchestrator
+    evaluator = Evaluator(cfg.eval, eval_env, router_url, api_key, policy, cfg.max_tokens,
+                          record=lambda rec: append_record(run, "eval", rec), log=log, start_version=start_step,
+                          request_timeout_s=cfg.request_timeout_s)
+    log(f"evaluating {len(evaluator.prompts)} eval prompts every {cfg.eval.interval} policy versions")
+    return evaluator, asyncio.create_task(evaluator.run())
 
 
 def resume_start_step(run: RunDir) -> int:

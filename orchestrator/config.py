@@ -5,6 +5,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
+from rlctl.orchestrator.dataset_config import DatasetConfig, EvalConfig, check_dataset_sections
+from rlctl.orchestrator.reward_config import RewardConfig
 from rlctl.recipes.base import Count, PositiveCount, Seconds, StrictModel, Tokens
 
 
@@ -12,7 +14,7 @@ class EnvironmentConfig(StrictModel):
     """Where prompts and rewards come from."""
 
     name: str = "sequence"
-    """Built-in environment name (`sequence`, `count_a`) or a dotted path `module:Class`."""
+    """Built-in environment name (`sequence`, `count_a`, `dataset`) or a dotted path `module:Class`."""
     args: dict[str, Any] = {}
     """Keyword arguments passed to the environment's constructor."""
 
@@ -22,12 +24,18 @@ class OrchestratorConfig(StrictModel):
 
     environment: EnvironmentConfig = EnvironmentConfig()
     """Prompt source and reward function."""
+    reward: RewardConfig = RewardConfig()
+    """Reward function override, and the process pool that contains slow, raising or memory-hungry rewards."""
     rollouts_per_step: Annotated[int, Field(ge=1, le=1 << 20)] = 256
     """Rollouts (completions) in one training batch."""
     group_size: Annotated[int, Field(ge=1, le=1 << 16)] = 16
     """Completions sampled per prompt; advantages are relative to the group mean."""
     max_tokens: Tokens = 1024
-    """Maximum generated tokens per rollout."""
+    """Maximum generated tokens per rollout (per turn for multi-turn environments)."""
+    max_turns: Annotated[int, Field(ge=1, le=1 << 16)] = 1
+    """Multi-turn environments: generated turns per trajectory at most (single-turn ones generate one)."""
+    max_trajectory_tokens: Tokens | None = None
+    """Multi-turn environments: tokens after the prompt (generated + environment) at most; default max_turns × max_tokens."""
     expected_mean_tokens: Tokens | None = None
     """Expected mean tokens (prompt + completion) per rollout, used only by `rlctl plan`; default max_tokens/2."""
     normalize_advantages: bool = False
@@ -46,6 +54,10 @@ class OrchestratorConfig(StrictModel):
     """Seconds one generation request may take before it is retried (then the run fails)."""
     final_weights_timeout_s: Seconds = 900.0
     """After the last batch, seconds the orchestrator waits for the trainer's final weights."""
+    dataset: DatasetConfig | None = None
+    """Prompts from a local dataset (environment `dataset`), and the eval split."""
+    eval: EvalConfig | None = None
+    """Periodic evaluation of the current policy on the dataset's eval split (off when absent)."""
 
     @model_validator(mode="after")
     def _groups_divide(self):
@@ -53,6 +65,7 @@ class OrchestratorConfig(StrictModel):
             raise ValueError(
                 f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of group_size ({self.group_size})"
             )
+        check_dataset_sections(self)
         return self
 
     @property

@@ -34,6 +34,7 @@ import aiohttp
 from rlctl.orchestrator.advantages import group_advantages, is_stale, min_policy_version
 from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
 from rlctl.orchestrator.environments import Environment, Prompt
+from rlctl.orchestrator.rewards import RewardScorer
 from rlctl.inference.client import decode_routed_experts, policy_cache_salt, routed_experts_payload
 from rlctl.inference.server import SERVED_MODEL_NAME
 from rlctl.orchestrator.exchange.batches import BatchWriter
@@ -104,7 +105,8 @@ class RolloutLoop:
     def __init__(self, settings: LoopSettings, env: Environment, url: str, api_key: str | None,
                  policy: PolicyVersion, batches: BatchWriter, rng: random.Random | None = None,
                  on_batch: Callable[[int, list[Group], dict], None] | None = None,
-                 before_write: Callable[[int, dict[str, Any]], None] | None = None):
+                 before_write: Callable[[int, dict[str, Any]], None] | None = None,
+                 scorer: RewardScorer | None = None):
         self.s = settings
         self.env = env
         self.url = url.rstrip("/")
@@ -115,7 +117,9 @@ class RolloutLoop:
         self.rng = rng or random.Random(0)
         self.on_batch = on_batch
         self.before_write = before_write  # (step, progress_state(step + 1)) before batch `step` is written
+        self.scorer = scorer or RewardScorer.build(None, env)  # default: the environment's reward, inline
         self._rng_at: dict[int, tuple] = {}  # sampler state before the first group of each batch
+        self._env_at: dict[int, dict] = {}  # environment state at the same point
         self.end_step = settings.start_step + settings.max_steps
         self.started = 0  # groups dispatched
         self.dropped = 0  # groups dropped as stale (each one is replaced)
@@ -155,7 +159,9 @@ class RolloutLoop:
                         w.cancel()
                 continue
             self._gate_open.setdefault(batch, time.monotonic())
-            self._rng_at.setdefault(batch, self.rng.getstate())
+            if batch not in self._rng_at:  # the prompt stream's position where this batch begins
+                self._rng_at[batch] = self.rng.getstate()
+                self._env_at[batch] = self.env.state_dict()  # e.g. a dataset cursor, taken at the same point
             prompt = self.env.sample_prompts(self.rng, 1)[0]
             group_id = self.started
             self.started += 1
@@ -184,9 +190,13 @@ class RolloutLoop:
                                            f"{attempt + 1} times, last: {type(exc).__name__}: {exc}") from exc
                     self.retries += 1
                     await asyncio.sleep(min(5.0, 0.2 * 2 ** attempt))
-            for r in rollouts:
-                r.reward = float(self.env.reward(prompt, r.text))
-                self.completed_tokens += len(r.completion_ids)
+            self.completed_tokens += sum(len(r.completion_ids) for r in rollouts)
+            rewards = await self.scorer.score_group(prompt, [r.text for r in rollouts])
+            if rewards is None:  # a reward failed, on_failure = "drop_group": replaced like a stale group
+                self.dropped += 1
+                return
+            for r, reward in zip(rollouts, rewards):
+                r.reward = reward
             self._queue.put_nowait(Group(group_id, prompt, rollouts))
             self.peak_queued = max(self.peak_queued, self._queue.qsize())
         finally:
@@ -292,6 +302,7 @@ class RolloutLoop:
                 continue
             kept.append(group)
         stats.gate_open = self._gate_open.pop(step, stats.start)
+        stats.extra.update(self.scorer.take_step_counts())  # reward failures since the previous batch
         for g in kept:
             g.advantages = group_advantages([r.reward for r in g.rollouts], self.s.normalize_std)
         return kept, stats
@@ -317,6 +328,7 @@ class RolloutLoop:
             "dropped_groups": stats.dropped_groups,
             "policy_version": self.policy.version,
             "tokens": tokens,
+            **stats.extra,
         }
 
     def heartbeat_state(self) -> tuple[int, str | None]:
@@ -329,9 +341,11 @@ class RolloutLoop:
     def progress_state(self, next_step: int) -> dict[str, Any]:
         """What a resumed loop needs to continue at batch `next_step` with the same prompt stream."""
         rng = self._rng_at.get(next_step) or self.rng.getstate()
+        env_state = self._env_at[next_step] if next_step in self._env_at else self.env.state_dict()
         for old in [b for b in self._rng_at if b < next_step]:
             del self._rng_at[old]
-        return {"rng": rng, "environment": self.env.state_dict(),
+            self._env_at.pop(old, None)
+        return {"rng": rng, "environment": env_state,
                 "counters": {"groups_started": self.started, "groups_dropped": self.dropped,
                              "completed_tokens": self.completed_tokens, "request_retries": self.retries}}
 
@@ -357,6 +371,7 @@ class RolloutLoop:
                 for task in list(self._tasks):
                     task.cancel()
                 await asyncio.gather(dispatcher, *self._tasks, return_exceptions=True)
+                await self.scorer.close()
 
 
 async def _raise_for_status(resp) -> None:

@@ -21,6 +21,9 @@ CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?-+=*/()[]<>'\"#_|\n"
 """Every character the tokenizer knows; anything else maps to <unk>."""
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+# A trivial chat template (the messages' contents joined): dataset recipes render prompts through the
+# model's template, and the tiny model's prompts must stay plain characters of CHARSET.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARSET)
 
 TINY_QWEN3: dict = {
@@ -96,6 +99,7 @@ def _build_tokenizer():
         unk_token="<unk>",
         model_max_length=TINY_QWEN3["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -126,7 +130,8 @@ def _is_built(out: Path, seed: int, cfg: dict) -> bool:
         info = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return info.get("seed") == seed and info.get("config") == cfg and info.get("charset") == CHARSET
+    return (info.get("seed") == seed and info.get("config") == cfg and info.get("charset") == CHARSET
+            and info.get("chat_template") == CHAT_TEMPLATE)
 
 
 def is_tiny_model(name: str) -> bool:
@@ -168,7 +173,7 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, overrides: dict 
     finally:
         if stage.exists():
             shutil.rmtree(stage, ignore_errors=True)
-    info = {"seed": seed, "config": cfg, "charset": CHARSET}
+    info = {"seed": seed, "config": cfg, "charset": CHARSET, "chat_template": CHAT_TEMPLATE}
     tmp = out / f".{BUILD_MARKER}.tmp"
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, out / BUILD_MARKER)

@@ -100,9 +100,46 @@ class OrchestratorStepRecord(StepRecord):
     """Trained (loss-masked) tokens in the batch."""
     weight_reload_s: float | None = None
     """Seconds the servers spent reloading weights since the previous batch."""
+    reward_timeouts: int = 0
+    """Reward calls past `orchestrator.reward.timeout_s` since the previous batch (each failed)."""
+    reward_errors: int = 0
+    """Reward calls that raised (or whose worker died) since the previous batch."""
+    reward_memory_kills: int = 0
+    """Reward calls that ran out of `orchestrator.reward.memory_mb` since the previous batch."""
+    reward_dropped_groups: int = 0
+    """Groups dropped for a failed reward (`on_failure = "drop_group"`) since the previous batch, each replaced."""
 
 
-RECORDS: dict[str, type[StepRecord]] = {cls.component: cls for cls in (TrainerStepRecord, OrchestratorStepRecord)}
+@dataclass(kw_only=True)
+class EvalRecord(StepRecord):
+    """One line of `metrics/eval.jsonl`, written by the orchestrator when an evaluation of the eval
+    split finishes; `step` is the policy version evaluated (weights after `step` training steps)."""
+
+    component: ClassVar[str] = "eval"
+    reward_mean: float
+    """Mean reward over every eval completion."""
+    pass_at_k: float
+    """Mean over prompts of the unbiased pass@k estimate (correct = reward >= eval.correct_threshold)."""
+    k: int
+    """The k of pass@k."""
+    prompts: int
+    """Eval prompts scored."""
+    samples_per_prompt: int
+    """Completions per prompt."""
+    temperature: float
+    """Sampling temperature (0 = greedy)."""
+    completion_tokens_mean: float
+    """Mean generated tokens per completion."""
+    reward_errors: int
+    """Completions whose reward raised (scored 0)."""
+    eval_time_s: float
+    """Seconds the evaluation took (it runs beside training)."""
+    policy_version_end: int
+    """Policy version served when the evaluation finished (weights may change while it runs)."""
+
+
+RECORDS: dict[str, type[StepRecord]] = {cls.component: cls for cls in (TrainerStepRecord, OrchestratorStepRecord,
+                                                                        EvalRecord)}
 
 
 def keys_of(cls: type[StepRecord], *names: str) -> tuple[str, ...]:

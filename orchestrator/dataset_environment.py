@@ -1,0 +1,147 @@
+"""The `dataset` environment: prompts drawn from `[orchestrator.dataset]`, scored by a named reward.
+
+Prompts are drawn in the dataset's seeded per-epoch order (see datasets.py), not from the loop's
+sampler, and the cursor is the environment's state: the orchestrator saves it with each checkpoint
+and a resumed run continues the exact prompt stream. Prompts are rendered with the model's chat
+template (its tokenizer's `chat_template`) unless `apply_chat_template = false`.
+
+The environment's own reward (`orchestrator.dataset.reward`) is a cheap comparison with the row's
+answer, run inline (`reward_inline`); math, code or custom rewards are set in `[orchestrator.reward]`,
+which replaces it and runs in the reward process pool.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from rlctl.orchestrator.datasets import KEY, Cursor, Row, load_rows, split_rows
+from rlctl.orchestrator.environments import Environment, Prompt, load_environment
+from rlctl.recipes.errors import RecipeError
+
+RewardFn = Callable[[str, str], float]
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1 when the completion is the answer (surrounding whitespace ignored), else 0."""
+    return float(completion.strip() == answer.strip())
+
+
+def char_match(completion: str, answer: str) -> float:
+    """Fraction of the answer's characters the completion has at the same position (partial credit)."""
+    answer = answer.strip()
+    if not answer:
+        return float(not completion.strip())
+    return sum(1 for a, b in zip(completion.lstrip(), answer) if a == b) / len(answer)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "char_match": char_match}
+
+
+class ChatTemplate:
+    """The model's chat template, rendered by its own tokenizer (read from local files only)."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise RecipeError(f"cannot load the tokenizer of {model_dir} for its chat template: {str(exc)[:200]}",
+                              key="model.name") from None
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RecipeError(f"the model's tokenizer ({model_dir}) has no chat_template: set "
+                              f"apply_chat_template = false and use a prompt column", key=f"{KEY}.apply_chat_template")
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def model_dir(recipe, run) -> str:
+    """Where the policy's tokenizer lives: the built tiny model, a local directory, or a hub id (read
+    from the local cache only)."""
+    from rlctl.trainer.tiny_model import is_tiny_model
+
+    name = recipe.model.name
+    if is_tiny_model(name):
+        return str(run.model)
+    path = Path(name).expanduser()
+    if path.is_file() and path.name == "config.json":
+        return str(path.parent)
+    return str(path) if path.is_dir() else name
+
+
+class DatasetEnvironment(Environment):
+    """Rows of a local dataset as prompts; `reward` compares a completion with the row's answer."""
+
+    reward_inline = True  # a string comparison: cheaper inline than a round trip to a reward worker
+
+    def __init__(self, cfg, seed: int, template: ChatTemplate | None = None):
+        needs_template = cfg.messages_column is not None or cfg.apply_chat_template
+        if needs_template and template is None:
+            raise RecipeError("rendering prompts needs the model's chat template (none was loaded)",
+                              key=f"{KEY}.apply_chat_template")
+        if cfg.system_prompt is not None and not needs_template:
+            raise RecipeError("a system prompt needs the chat template (apply_chat_template = true)",
+                              key=f"{KEY}.system_prompt")
+        self.cfg = cfg
+        self.seed = seed if cfg.seed is None else cfg.seed
+        self.template = template if needs_template else None
+        self.score = BUILTIN_REWARDS[cfg.reward]
+        rows = load_rows(cfg)
+        self.train, self.eval = split_rows(rows, cfg.eval_fraction, self.seed)
+        if cfg.eval_path is not None:
+            self.eval = load_rows(cfg, "eval_path")
+        self.cursor = Cursor(len(self.train), self.seed, cfg.shuffle)
+
+    @classmethod
+    def from_recipe(cls, recipe, run) -> "DatasetEnvironment":
+        cfg = recipe.orchestrator.dataset
+        needs_template = cfg.messages_column is not None or cfg.apply_chat_template
+        template = ChatTemplate(model_dir(recipe, run)) if needs_template else None
+        return cls(cfg, recipe.orchestrator.seed, template)
+
+    def render(self, row: Row, split: str) -> Prompt:
+        if self.template is None:
+            text = row.prompt
+        else:
+            messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+            if self.cfg.system_prompt is not None:
+                messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
+            text = self.template.render(messages)
+        return Prompt(text, row.answer, {"row": row.index, "split": split})
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """The next `n` rows in the dataset's own seeded order (`rng` is not used: the cursor is the state)."""
+        return [self.render(self.train[self.cursor.next()], "train") for _ in range(n)]
+
+    def eval_prompts(self, limit: int | None = None) -> list[Prompt]:
+        """The eval split in file order (the first `limit` rows when given)."""
+        return [self.render(row, "eval") for row in self.eval[:limit]]
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float:
+        return float(self.score(completion_text, prompt.target))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor.load_state_dict(state.get("cursor") or {})
+
+
+def build_environment(recipe, run) -> Environment:
+    """The recipe's environment: `dataset` is built from `[orchestrator.dataset]`, others by name."""
+    env_cfg = recipe.orchestrator.environment
+    if env_cfg.name != "dataset":
+        return load_environment(env_cfg.name, env_cfg.args)
+    if env_cfg.args:
+        raise RecipeError("the dataset environment takes no args: configure it in [orchestrator.dataset]",
+                          key="orchestrator.environment.args")
+    return DatasetEnvironment.from_recipe(recipe, run)
+
+
+def eval_environment(recipe, run, env: Environment) -> DatasetEnvironment | None:
+    """What `[orchestrator.eval]` evaluates: the dataset environment's eval split (None when eval is off)."""
+    if recipe.orchestrator.eval is None:
+        return None
+    return env if isinstance(env, DatasetEnvironment) else DatasetEnvironment.from_recipe(recipe, run)
