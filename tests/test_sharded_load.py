@@ -124,20 +124,6 @@ def test_checkpoint_reads_prefer_a_name_the_checkpoint_holds():
                                                   for e in range(2)}.__contains__)
 
 
-def test_load_causal_lm_is_what_from_pretrained_loads(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from rlctl.trainer.model import load_causal_lm
-    from rlctl.trainer.tiny_model import build_tiny_model
-
-    out = build_tiny_model(tmp_path / "tiny", seed=5, name="tiny-qwen3-moe")
-    model, ref = load_causal_lm(out, torch.device("cpu")), AutoModelForCausalLM.from_pretrained(str(out))
-    assert model.training and not model.config.use_cache
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    for name, tensor in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[name], tensor), name
-
-
 def test_one_process_load_matches_from_pretrained_and_reties_embeddings(tmp_path):
     """Without sharding (plain tensors): bitwise the weights, buffers and logits from_pretrained gives;
     the tied lm_head (absent from the file) is the input embedding again after `to_empty`."""

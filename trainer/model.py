@@ -44,17 +44,3 @@ def resolve_model_dir(run, recipe, wait_s: float = 300.0) -> Path:
     if not any(path.glob("*.safetensors")):
         raise RecipeError(f"no *.safetensors weights in {path} (only a config; the trainer needs weights)", "model.name")
     return path
-
-
-def load_causal_lm(model_dir: Path, device):
-    """The whole model, unsharded, in fp32 on `device` with SDPA attention (CPU and GPU alike).
-
-    Built on the meta device and filled straight from the safetensors (`sharded_load`), so it never
-    holds a second copy. A sharded trainer does not call this: it shards the meta model first and then
-    loads only its own blocks (`build.build_parallel_model` → `sharded_load.materialize_and_load`).
-    """
-    from rlctl.trainer.sharded_load import build_meta_model, materialize_and_load
-
-    model = build_meta_model(model_dir)
-    materialize_and_load(model, model_dir, device)
-    return model

@@ -51,8 +51,9 @@ class Trainer:
         from rlctl.trainer.checkpoint import load_checkpoint, require_complete, resolve_resume_step
         from rlctl.trainer.loss import load_loss
         from rlctl.orchestrator.exchange.placement import read_trainer_degrees
-        from rlctl.trainer.build import build_parallel_model, is_moe_config, load_hf_config
+        from rlctl.trainer.build import build_parallel_model
         from rlctl.trainer.model import resolve_model_dir
+        from rlctl.trainer.moe import moe_blocks
         from rlctl.trainer.parallel import build_mesh, init_distributed, resolve_dims
         from rlctl.trainer.step import StepContext
         from rlctl.trainer.weights import load_config
@@ -72,7 +73,7 @@ class Trainer:
         # meta build, then experts/context/FSDP sharding, then each rank reads only its own slices
         self.model = build_parallel_model(self.model_dir, self.dims, self.mesh, self.device, self.cfg,
                                           load_from=self.model_dir)
-        self.is_moe = is_moe_config(load_hf_config(self.model_dir))
+        self.is_moe = bool(moe_blocks(self.model))  # from the built model: config.json is read once
         opt = self.cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
