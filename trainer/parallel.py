@@ -55,8 +55,13 @@ def init_distributed() -> tuple[int, int, "torch.device"]:  # noqa: F821
 def build_mesh(dims: ParallelDims, device: "torch.device"):  # noqa: F821
     """The world mesh (dp_replicate, dp_shard_mod_ep, ep, cp) with the flattened sub-meshes named in
     `degrees.py`: `fsdp`, `efsdp`, `dp_shard` and `dp` (plus `ep`, `cp`, `dp_replicate`)."""
+    import warnings
+
     from torch.distributed.device_mesh import init_device_mesh
 
+    # Slicing the named flattened dims (`mesh["fsdp"]`, `mesh["dp_replicate", "fsdp"]`) is how torch
+    # 2.13 gives 2-D (HSDP) sub-meshes; its deprecation notice would open every rank's log.
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
     names = ("dp_replicate", "dp_shard_mod_ep", "ep", "cp")
     shape = (dims.dp_replicate, dims.dp_shard_mod_ep, dims.ep, dims.cp)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
