@@ -66,7 +66,7 @@ def with_plan(summary: dict, run_dir: Path) -> dict:
 
 
 def write_plot(run_dir: Path, out: Path) -> None:
-    """A PNG with reward, trainer/orchestrator step times and off-policy lag over steps."""
+    """A PNG with reward (and eval scores), trainer/orchestrator step times and off-policy lag over steps."""
     try:
         import matplotlib
     except ImportError:
@@ -75,16 +75,19 @@ def write_plot(run_dir: Path, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     from rlctl.launchers.run_summary import ORCH_STEP_S, REWARD, TRAINER_STEP_S, by_step, series
-    from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord, keys_of, read_records
+    from rlctl.orchestrator.exchange.metrics import EvalRecord, OrchestratorStepRecord, keys_of, read_records
 
     LAG_MEAN, LAG_MAX = keys_of(OrchestratorStepRecord, "off_policy_lag_mean", "off_policy_lag_max")
     metrics = read_records(run_dir)
     trainer, orch = by_step(metrics, "trainer"), by_step(metrics, "orchestrator")
-    if not trainer and not orch:
+    evals = by_step(metrics, EvalRecord.component)  # step = the policy version evaluated
+    EVAL_REWARD, EVAL_PASS = keys_of(EvalRecord, "reward_mean", "pass_at_k")
+    if not trainer and not orch and not evals:
         fail(f"--plot: no metrics yet in {Path(run_dir) / 'metrics'}")
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     panels = (
-        ("reward", [(orch, REWARD, "reward mean")]),
+        ("reward", [(orch, REWARD, "reward mean"), (evals, EVAL_REWARD, "eval reward"),
+                    (evals, EVAL_PASS, f"eval pass@{evals[-1].get('k', 'k')}" if evals else "")]),
         ("step time (s)", [(trainer, TRAINER_STEP_S, "trainer"), (orch, ORCH_STEP_S, "orchestrator")]),
         ("off-policy lag (steps)", [(orch, LAG_MEAN, "mean"), (orch, LAG_MAX, "max")]),
     )

@@ -8,6 +8,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from rlctl.orchestrator.exchange.metrics import EvalRecord as Eval
 from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord as Orch
 from rlctl.orchestrator.exchange.metrics import TrainerStepRecord as Trainer
 from rlctl.orchestrator.exchange.metrics import key_of
@@ -25,6 +26,9 @@ SPARK_ROWS = (
     ("orchestrator", key_of(Orch, "off_policy_lag_mean"), "off-policy lag", None),
     ("orchestrator", key_of(Orch, "rollouts_per_s"), "rollouts/s", None),
 )
+# Shown once the run has eval records (orchestrator.eval); x = the policy version evaluated.
+EVAL_ROWS = (("eval", key_of(Eval, "reward_mean"), "eval reward", None),
+             ("eval", key_of(Eval, "pass_at_k"), "eval pass@{k}", None))
 
 
 def sparkline(values: list[float], width: int = 40) -> str:
@@ -99,8 +103,10 @@ def _sparks(summary: dict, metrics: list[dict]) -> Table:
     table = Table(title="metrics (last 40 steps)", title_justify="left", box=None, padding=(0, 2))
     for col, justify in (("metric", "left"), ("trend", "left"), ("last", "right"), ("median", "right"), ("plan", "right")):
         table.add_column(col, justify=justify)
-    records = {"trainer": by_step(metrics, "trainer"), "orchestrator": by_step(metrics, "orchestrator")}
-    for component, key, label, plan_key in SPARK_ROWS:
+    records = {c: by_step(metrics, c) for c in ("trainer", "orchestrator", "eval")}
+    evals = records["eval"]
+    for component, key, label, plan_key in SPARK_ROWS + (EVAL_ROWS if evals else ()):
+        label = label.format(k=evals[-1].get("k", "k") if evals else "k")
         values = [v for _, v in series(records[component], key)]
         median = summary["measured"].get(key)
         if key == SPARK_ROWS[0][1] and values:
