@@ -1,0 +1,38 @@
+"""The `[orchestrator.reward]` section: which reward function scores rollouts and how it is contained."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from rlctl.recipes.base import StrictModel
+
+# The built-in reward functions (rlctl.orchestrator.reward_builtins), by the name a recipe uses.
+BUILTIN_REWARDS = {
+    "exact_match": "rlctl.orchestrator.reward_builtins:exact_match",
+    "math": "rlctl.orchestrator.reward_builtins:math_answer",
+    "code": "rlctl.orchestrator.reward_builtins:code_tests",
+}
+
+
+class RewardConfig(StrictModel):
+    """How rollouts are scored: a process pool with a per-call timeout and memory limit, so a slow,
+    raising or memory-hungry reward neither stalls nor kills the rollout loop."""
+
+    function: str | None = None
+    """Reward function: a built-in (`exact_match`, `math`, `code`) or `module:function` taking
+    (prompt, completion_text, **args) and returning a float; unset = the environment's own `reward`."""
+    args: dict[str, Any] = {}
+    """Keyword arguments passed to `function` on every call (e.g. `time_limit_s` for `code`)."""
+    timeout_s: Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] = 30.0
+    """Seconds one reward call may take; past it the call counts as a timeout and its worker is replaced."""
+    memory_mb: Annotated[int, Field(ge=64, le=1 << 22)] = 4096
+    """Address-space limit of each reward worker process (MiB); an allocation past it counts as a memory kill."""
+    workers: Annotated[int, Field(ge=1, le=1024)] = 8
+    """Reward worker processes (sync rewards that are not inline run there, one call per worker at a time)."""
+    on_failure: Literal["drop_group", "zero"] = "zero"
+    """What a failed reward call does to its group: `zero` scores that rollout 0, `drop_group` drops the
+    whole group (replaced by a new one, like a too off-policy group)."""
+    max_consecutive_failures: Annotated[int, Field(ge=1, le=1 << 30)] = 1000
+    """The run stops with an error after this many reward calls in a row failed (a broken reward
+    function would otherwise spin forever, or train on nothing but zeros)."""
