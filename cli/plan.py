@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from rlctl.cli.common import print_json, user_errors
+from rlctl.cli.common import print_json, pydantic_plugins_off, user_errors
 
 HELP = """Plan RECIPE(s) on a cluster profile without launching anything.
 
@@ -32,25 +32,30 @@ def register(app: typer.Typer) -> None:
         calibration_out: Optional[Path] = typer.Option(None, "--calibration-out", help="Where --calibrate writes (default RUN/calibration.toml)."),
         calibration: Optional[Path] = typer.Option(None, "--calibration", help="Plan with this calibration file (overrides the profile's)."),
     ) -> None:
-        from rlctl.recipes.clusters import load_profile
-        from rlctl.recipes.load import load_recipe
-        from rlctl.recipes.plan import plan
+        with pydantic_plugins_off():  # the recipe models, the config.json adapter: no plugin scan
+            _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibration)
 
-        overrides = list(override) + ([f'cluster.profile="{cluster}"'] if cluster else [])
-        rec = load_recipe(recipe, overrides)
-        profile = load_profile(rec.cluster.profile)
-        if calibration is not None:
-            profile = profile.model_copy(update={"calibration": str(calibration)})
-        if calibrate is not None:
-            out = _calibrate(rec, profile, calibrate, calibration_out, as_json)
-            profile = profile.model_copy(update={"calibration": str(out)})
-        report = plan(rec, profile)
-        if as_json:
-            print_json(report.to_json())
-        else:
-            from rlctl.cli.plan_view import render
 
-            render(report.to_json())
+def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibration) -> None:
+    from rlctl.recipes.clusters import load_profile
+    from rlctl.recipes.load import load_recipe
+    from rlctl.recipes.plan import plan
+
+    overrides = list(override) + ([f'cluster.profile="{cluster}"'] if cluster else [])
+    rec = load_recipe(recipe, overrides)
+    profile = load_profile(rec.cluster.profile)
+    if calibration is not None:
+        profile = profile.model_copy(update={"calibration": str(calibration)})
+    if calibrate is not None:
+        out = _calibrate(rec, profile, calibrate, calibration_out, as_json)
+        profile = profile.model_copy(update={"calibration": str(out)})
+    report = plan(rec, profile)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        from rlctl.cli.plan_view import render
+
+        render(report.to_json())
 
 
 def _calibrate(rec, profile, run: Path, out: Optional[Path], as_json: bool) -> Path:

@@ -1,8 +1,15 @@
 """The human output of `rlctl plan`: one section per part, a label and a value per line, so that it
-reads in 80 columns (a pipe, a narrow terminal) without truncating a number; long values wrap."""
+reads in 80 columns (a pipe, a narrow terminal) without truncating a number; long values wrap.
+
+Plain text (ANSI bold/colour on a terminal only): importing and laying out with rich's Console and
+Table cost more than the whole plan, and rich read `[...]` in a recipe name or a warning as markup."""
 from __future__ import annotations
 
+import os
+import sys
+
 LABEL_WIDTH = 15
+_ANSI = {"bold": "1", "underline": "4", "red": "31", "green": "32", "yellow": "33"}
 
 
 def _fmt_s(x) -> str:
@@ -32,14 +39,82 @@ def _pct(v) -> str:
 
 
 def _section(title: str, rows: list[tuple[str, str]]):
-    from rich.table import Table
+    return title, rows
 
-    t = Table.grid(padding=(0, 1))
-    t.add_column(style="bold", no_wrap=True, min_width=LABEL_WIDTH)
-    t.add_column(overflow="fold")
-    for label, value in rows:
-        t.add_row(label, value)
-    return title, t
+
+def wrap(text: str, width: int) -> list[str]:
+    """Word wrap that never truncates: a word that does not fit starts a new line, a word longer than
+    a line (a path) is cut into pieces of the line's width."""
+    width = max(width, 1)
+    lines: list[str] = []
+    for para in text.split("\n"):
+        line = ""
+        for word in para.split(" "):
+            if line and len(line) + 1 + len(word) <= width:
+                line += " " + word
+                continue
+            if line:
+                lines.append(line)
+            while len(word) > width:
+                lines.append(word[:width])
+                word = word[width:]
+            line = word
+        lines.append(line)
+    return lines
+
+
+class _Out:
+    """Lines for a stream, `width` columns wide, with ANSI styles when `color`; `flush` writes them."""
+
+    def __init__(self, file=None, width: int | None = None, color: bool | None = None):
+        import shutil
+
+        self.file = file or sys.stdout
+        # COLUMNS, else the terminal's width, else 80 (a pipe, a file)
+        self.width = width or shutil.get_terminal_size((80, 24)).columns
+        if color is None:
+            color = (hasattr(self.file, "isatty") and self.file.isatty() and "NO_COLOR" not in os.environ
+                     and os.environ.get("TERM") != "dumb")
+        self.color = color
+        self.text: list[str] = []
+
+    def flush(self) -> None:
+        try:
+            self.file.write("".join(self.text))
+            self.file.flush()
+        except BrokenPipeError:  # `rlctl plan ... | head`: exit 1 quietly, as rich's Console did
+            if self.file is sys.stdout:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(1) from None
+
+    def style(self, text: str, *styles: str) -> str:
+        if not self.color:
+            return text
+        return f"\x1b[{';'.join(_ANSI[s] for s in styles)}m{text}\x1b[0m"
+
+    def line(self, text: str = "", head: str = "", head_style: tuple = (), tail: str = "",
+             tail_style: tuple = ()) -> None:
+        """`head + text + tail` wrapped at the width; on a terminal, head and tail in their styles."""
+        lines = wrap(head + text + tail, self.width)
+        if self.color and head and lines[0].startswith(head):
+            lines[0] = self.style(head, *head_style) + lines[0][len(head):]
+        if self.color and tail and lines[-1].endswith(tail):
+            lines[-1] = lines[-1][:-len(tail)] + self.style(tail, *tail_style)
+        self.text.append("\n".join(lines) + "\n")
+
+    def title(self, text: str) -> None:
+        for piece in wrap(text, self.width):
+            self.text.append(self.style(piece, "bold", "underline") + "\n")
+
+    def rows(self, rows: list[tuple[str, str]]) -> None:
+        """A label column (bold, at least LABEL_WIDTH wide) and a value column that wraps."""
+        lw = max([LABEL_WIDTH] + [len(label) for label, _ in rows])
+        for label, value in rows:
+            pieces = wrap(value, self.width - lw - 1)
+            head = self.style(label, "bold") + " " * (lw - len(label) + 1)
+            self.text.append((head + pieces[0]).rstrip() + "\n")
+            for piece in pieces[1:]:
+                self.text.append((" " * (lw + 1) + piece).rstrip() + "\n")
 
 
 def _placement(j: dict):
@@ -134,43 +209,47 @@ def _disk(disk: dict):
     return _section("disk (run directory)", rows)
 
 
-def render(j: dict, console=None) -> None:
-    from rich.console import Console
-
-    con = console or Console()
-    verdict = "[green]fits[/green]" if j["fits"] else "[red]does not fit[/red]"
-    con.print(f"[bold]plan[/bold]: {j['recipe']} on {j['profile']} ({j['model']}): {verdict}")
+def render(j: dict, file=None, width: int | None = None, color: bool | None = None) -> None:
+    """Print the plan `j` (PlanReport.to_json()) on `file` (stdout), `width` columns wide (the
+    terminal's, or 80 in a pipe); ANSI styles when `color` (default: on a terminal, no NO_COLOR)."""
+    out = _Out(file, width, color)
+    verdict = ("fits", ("green",)) if j["fits"] else ("does not fit", ("red",))
+    out.line(f": {j['recipe']} on {j['profile']} ({j['model']}): ", head="plan", head_style=("bold",),
+             tail=verdict[0], tail_style=verdict[1])
     if j.get("calibration"):
-        con.print(f"calibrated by {j['calibration']}", overflow="fold")
+        out.line(f"calibrated by {j['calibration']}")
     sections = [_placement(j), _trainer(j["trainer"]), _inference(j["inference"]), _loop(j)]
     if j.get("disk"):
         sections.append(_disk(j["disk"]))
-    for title, table in sections:
-        con.print(f"\n[bold underline]{title}[/bold underline]")
-        con.print(table)
+    for title, rows in sections:
+        out.line()
+        out.title(title)
+        out.rows(rows)
     if j["warnings"] or j["errors"]:
-        con.print()
+        out.line()
     for w in j["warnings"]:
-        con.print(f"[yellow]warning:[/yellow] {w}", overflow="fold")
+        out.line(" " + w, head="warning:", head_style=("yellow",))
     for e in j["errors"]:
-        con.print(f"[red]error:[/red] {e}", overflow="fold")
+        out.line(" " + e, head="error:", head_style=("red",))
+    out.flush()
 
 
-def render_calibration(written: dict, profile: str, console=None) -> None:
+def render_calibration(written: dict, profile: str, file=None, width: int | None = None,
+                       color: bool | None = None) -> None:
     """What `--calibrate` measured, the scale it fitted per side, and how to use the file."""
-    from rich.console import Console
-
-    con = console or Console()
+    out = _Out(file, width, color)
     src = written["source"]
     m, scale = src["measured"], src["scale"]
-    title, t = _section(f"calibration from {src['run']}", [
+    title, rows = _section(f"calibration from {src['run']}", [
         ("measured", f"trainer step {_fmt_s(m['trainer_step_time_s'])} · orchestrator step "
                      f"{_fmt_s(m['orchestrator_step_time_s'])} (medians of {m['steps']} steps)"),
         ("fitted", " · ".join(f"{side} constants × {s:.3g}" for side, s in scale.items()) or "nothing to fit"),
         ("constants", ", ".join(sorted(written["constants"])) or "-"),
         ("wrote", written["path"]),
     ])
-    con.print(f"[bold underline]{title}[/bold underline]", overflow="fold")
-    con.print(t)
-    con.print(f"use it: add `calibration: {written['path']}` to the {profile!r} profile YAML, or pass "
-              f"--calibration {written['path']}\n", overflow="fold")
+    out.title(title)
+    out.rows(rows)
+    out.line(f"use it: add `calibration: {written['path']}` to the {profile!r} profile YAML, or pass "
+             f"--calibration {written['path']}")
+    out.line()
+    out.flush()

@@ -31,6 +31,7 @@ def _bounds(metadata) -> str:
 def schema_lines() -> list[str]:
     from pydantic import BaseModel
 
+    from rlctl.recipes.base import field_docs
     from rlctl.recipes.schema import Recipe
 
     lines: list[str] = []
@@ -39,7 +40,7 @@ def schema_lines() -> list[str]:
         for name, f in model.model_fields.items():
             path = f"{prefix}{name}"
             ann = f.annotation
-            doc = (f.description or "").replace("\n", " ")
+            doc = (f.description or field_docs(model).get(name, "")).replace("\n", " ")
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 lines.append(f"[{path}]  {doc}")
                 walk(ann, path + ".")

@@ -30,12 +30,18 @@ def compute_placement(recipe, profile=None) -> Placement:
 def plan(recipe, profile=None, calibration: str | None = None) -> PlanReport:
     """Size `recipe` on `profile` (ClusterProfile, or None to load `recipe.cluster.profile`), with the
     constants of `calibration` (a calibration file; default: the profile's `calibration`, if any)."""
+    import contextlib
+
     from rlctl.recipes.plan_extras import add_extras
-    from rlctl.recipes.run_calibration import applied, load_calibration
 
     profile = _profile(recipe, profile)
     path = calibration or getattr(profile, "calibration", None)
-    with applied(load_calibration(path) if path else None):
+    constants = contextlib.nullcontext()
+    if path:  # the fitting module is imported only when a calibration file is in use
+        from rlctl.recipes.run_calibration import applied, load_calibration
+
+        constants = applied(load_calibration(path))
+    with constants:
         report = build_report(recipe, profile)
         add_extras(report, recipe, profile)
     report.calibration = path

@@ -165,3 +165,18 @@ def test_more_dense_layers_than_layers_is_refused():
     with pytest.raises(RecipeError) as e:
         check_static(load_recipe(["recipes/qwen3-30b-a3b.toml"]), spec, load_profile("h100-64"))
     assert e.value.key == "model.name"
+
+
+def test_human_plan_prints_names_as_given(tmp_path):
+    """A profile named `lab[gpu]` was printed as `lab` (rich read `[gpu]` as markup); the plain-text
+    output prints it as written, and without colour codes when not on a terminal."""
+    import io
+
+    from rlctl.cli.plan_view import render
+    from rlctl.recipes.clusters import ClusterProfile
+
+    profile = ClusterProfile(name="lab[gpu]", nodes=4, gpus_per_node=8, gpu="h100-sxm")
+    buf = io.StringIO()
+    render(plan(load_recipe(["qwen3-4b"]), profile).to_json(), file=buf)
+    assert buf.getvalue().startswith("plan: qwen3-4b on lab[gpu] (qwen3-4b): ")
+    assert "\x1b[" not in buf.getvalue()

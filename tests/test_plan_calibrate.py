@@ -193,13 +193,11 @@ def test_slurm_time_formats():
 
 @pytest.mark.parametrize("recipe", ["qwen3-4b", "glm5-swe", "qwen3-30b-a3b", TINY])
 def test_human_plan_reads_in_80_columns(recipe):
-    from rich.console import Console
-
     from rlctl.cli.plan_view import render
 
     j = plan(load_recipe([recipe])).to_json()
     buf = io.StringIO()
-    render(j, Console(file=buf, width=80, color_system=None, force_terminal=False))
+    render(j, file=buf, width=80, color=False)
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "…" not in text  # rich truncates with an ellipsis
