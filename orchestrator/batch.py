@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.orchestrator.environments import Prompt
+from rlctl.orchestrator.trajectory import Trajectory
 
 
 @dataclass
@@ -22,10 +23,28 @@ class Rollout:
     start_version: int = 0  # policy version when the request was sent (stands in for empty completions)
     reward: float = 0.0
     payload: dict[str, Any] = field(default_factory=dict)  # opaque per-sample tensors, passed through
+    # Multi-turn trajectories: per completion token, whether it is trained (environment tokens are not;
+    # their logprob is 0 and version ENV_VERSION). None: every completion token is trained.
+    loss_mask: list[bool] | None = None
+    turns: int = 1
+
+    @classmethod
+    def from_trajectory(cls, group_id: int, index: int, traj: Trajectory) -> "Rollout":
+        return cls(group_id, index, list(traj.prompt_ids), traj.completion_ids, traj.logprobs, traj.versions,
+                   traj.reward_text if traj.reward_text is not None else traj.text, traj.finish_reason,
+                   traj.start_version, loss_mask=traj.loss_mask, turns=traj.turns)
+
+    @property
+    def trained_versions(self) -> list[int]:
+        if self.loss_mask is None:
+            return self.versions
+        return [v for v, trained in zip(self.versions, self.loss_mask) if trained]
 
     @property
     def oldest_version(self) -> int:
-        return min(self.versions) if self.versions else self.start_version
+        """The policy version of the oldest generated token: what the off-policy bound applies to."""
+        versions = self.trained_versions
+        return min(versions) if versions else self.start_version
 
 
 @dataclass
@@ -41,11 +60,12 @@ class Group:
 
     @property
     def newest_version(self) -> int:
-        return max((max(r.versions) for r in self.rollouts if r.versions), default=self.oldest_version)
+        return max((max(r.trained_versions) for r in self.rollouts if r.trained_versions), default=self.oldest_version)
 
 
 def build_batch_tensors(groups: list[Group], step: int) -> dict:
-    """The contract's tensors for one training batch (right-padded with 0; versions -1 off-completion)."""
+    """The contract's tensors for one training batch (right-padded with 0; versions -1 off-completion and
+    on environment tokens, whose loss mask is 0)."""
     import torch
 
     rollouts = [(r, a) for g in groups for r, a in zip(g.rollouts, g.advantages)]
@@ -62,7 +82,7 @@ def build_batch_tensors(groups: list[Group], step: int) -> dict:
         attention_mask[b, : p + c] = True
         if c:
             input_ids[b, p : p + c] = torch.tensor(r.completion_ids, dtype=torch.int64)
-            loss_mask[b, p : p + c] = True
+            loss_mask[b, p : p + c] = True if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=torch.bool)
             logprobs[b, p : p + c] = torch.tensor(r.logprobs, dtype=torch.float32)
             versions[b, p : p + c] = torch.tensor(r.versions, dtype=torch.int32)
     tensors = {

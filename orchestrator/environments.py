@@ -9,6 +9,12 @@ Built-ins (tiny verifiable tasks for the CPU recipes; every character is in the 
   stride, e.g. `cde` or `1357`; the policy must continue it (`fgh`, `9135`). Reward = fraction of
   correct characters, so the policy has to read its input — no constant answer scores well.
 - `count_a`: reward = fraction of 'a' among the first `length` generated characters (a sanity task).
+- `tool_lookup` (multi-turn, `tool_environments.py`): look a key up with a tool call, then answer.
+
+A multi-turn environment implements `MultiTurnEnvironment.rollout(client, prompt, budget)`: it drives
+the turns itself through a `TokenClient` (generate a turn, tokenise a tool's output, append it with loss
+mask 0) and returns the `Trajectory`; the loop runs `group_size` of them per prompt and scores each with
+`reward(prompt, trajectory.reward_text or trajectory.text)`.
 """
 from __future__ import annotations
 
@@ -17,9 +23,12 @@ import random
 import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlctl.recipes.errors import RecipeError
+
+if TYPE_CHECKING:
+    from rlctl.orchestrator.trajectory import Budget, TokenClient, Trajectory
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,19 @@ class Environment(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+
+
+class MultiTurnEnvironment(Environment):
+    """An environment that runs whole trajectories (turns, tool calls) instead of one completion.
+
+    `reward` receives `trajectory.reward_text` when the rollout set it (e.g. the parts the environment
+    wants scored, in its own format), else the transcript after the prompt."""
+
+    @abstractmethod
+    async def rollout(self, client: "TokenClient", prompt: Prompt, budget: "Budget") -> "Trajectory":
+        """Run one trajectory of `prompt`: `traj = client.new_trajectory(prompt.text, budget)`, then
+        `await client.generate(traj)` per turn and `traj.add_environment(await client.tokenize(text), text)`
+        for what the environment answers; return `traj`."""
 
 
 ALPHABETS = {"letters": string.ascii_lowercase, "digits": string.digits}
@@ -115,12 +137,17 @@ class CountAEnvironment(Environment):
 
 
 BUILTINS: dict[str, type[Environment]] = {"sequence": SequenceEnvironment, "count_a": CountAEnvironment}
+# Built in but defined in their own modules (which import this one), so imported when named.
+MULTI_TURN_BUILTINS: dict[str, str] = {"tool_lookup": "rlctl.orchestrator.tool_environments:ToolLookupEnvironment"}
 
 
 def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
     """Instantiate a built-in environment or `module:Class`; bad names/args raise a one-line RecipeError."""
     key = "orchestrator.environment.name"
-    if name in BUILTINS:
+    if name in MULTI_TURN_BUILTINS:
+        module_name, _, attr = MULTI_TURN_BUILTINS[name].partition(":")
+        cls = getattr(importlib.import_module(module_name), attr)
+    elif name in BUILTINS:
         cls = BUILTINS[name]
     elif ":" in name:
         module_name, _, attr = name.partition(":")
@@ -134,7 +161,7 @@ def load_environment(name: str, args: dict[str, Any] | None = None) -> Environme
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             raise RecipeError(f"{name!r} is not a subclass of rlctl.orchestrator.environments.Environment", key=key)
     else:
-        raise RecipeError(f"unknown environment {name!r} (built-ins: {', '.join(BUILTINS)}; or 'module:Class')", key=key)
+        raise RecipeError(f"unknown environment {name!r} (built-ins: {', '.join([*BUILTINS, *MULTI_TURN_BUILTINS])}; or 'module:Class')", key=key)
     try:
         return cls(**(args or {}))
     except TypeError as exc:

@@ -17,6 +17,10 @@ one server. Three cooperating pieces run on one asyncio loop:
   than N - max_off_policy_steps (the dispatcher replaces each dropped group), computes group-relative
   advantages and writes `rollouts/step_N` atomically.
 
+Multi-turn environments (`MultiTurnEnvironment`) run `group_size` trajectories per group instead, each
+turn one request with the token ids so far (trajectory.py); environment tokens get loss mask 0 and no
+policy version, so the off-policy bound and the lag metrics see the trajectory's oldest *generated* token.
+
 Every group is either written exactly once or counted as dropped; failed requests are retried as a
 whole group (partial streams are discarded), so no rollout is lost or duplicated.
 """
@@ -33,7 +37,9 @@ import aiohttp
 
 from rlctl.orchestrator.advantages import group_advantages, is_stale, min_policy_version
 from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
-from rlctl.orchestrator.environments import Environment, Prompt
+from rlctl.orchestrator.environments import Environment, MultiTurnEnvironment, Prompt
+from rlctl.orchestrator.trajectory import Budget, TokenClient
+from rlctl.orchestrator.trajectory import raise_for_status as _raise_for_status
 from rlctl.orchestrator.rewards import RewardScorer
 from rlctl.inference.client import decode_routed_experts, policy_cache_salt, routed_experts_payload
 from rlctl.inference.server import SERVED_MODEL_NAME
@@ -73,12 +79,19 @@ class LoopSettings:
     request_retries: int = 3
     request_timeout_s: float = 3600.0
     routed_experts: bool = False  # router replay: keep the experts inference routed each token to
+    max_turns: int = 1  # multi-turn environments: generated turns per trajectory
+    max_trajectory_tokens: int | None = None  # tokens after the prompt; None = max_turns × max_tokens
 
     @classmethod
     def from_config(cls, cfg, start_step: int = 0) -> "LoopSettings":
         return cls(cfg.rollouts_per_step, cfg.group_size, cfg.max_tokens, cfg.max_off_policy_steps, cfg.max_in_flight,
                    cfg.temperature, start_step, cfg.max_steps, cfg.normalize_advantages,
-                   request_timeout_s=cfg.request_timeout_s)
+                   request_timeout_s=cfg.request_timeout_s, max_turns=cfg.max_turns,
+                   max_trajectory_tokens=cfg.max_trajectory_tokens)
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.max_turns, self.max_tokens, self.max_trajectory_tokens or self.max_turns * self.max_tokens)
 
     @property
     def groups_per_step(self) -> int:
@@ -182,7 +195,10 @@ class RolloutLoop:
         try:
             for attempt in range(self.s.request_retries + 1):
                 try:
-                    rollouts = await self._stream(session, group_id, prompt)
+                    if isinstance(self.env, MultiTurnEnvironment):
+                        rollouts = await self._trajectories(session, group_id, prompt)
+                    else:
+                        rollouts = await self._stream(session, group_id, prompt)
                     break
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                     if attempt == self.s.request_retries:
@@ -252,6 +268,22 @@ class RolloutLoop:
                 raise ValueError("stream ended before every completion finished")
         return rollouts
 
+    async def _trajectories(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
+        """`group_size` trajectories of a multi-turn environment, run concurrently (one request per turn)."""
+
+        async def one(index: int) -> Rollout:
+            client = TokenClient(session, self.url, self.headers, self.policy, model=SERVED_MODEL_NAME,
+                                 temperature=self.s.temperature, timeout_s=self.s.request_timeout_s,
+                                 request_id=f"rlctl-g{group_id}-{index}", cache_salt=policy_cache_salt)
+            return Rollout.from_trajectory(group_id, index, await self.env.rollout(client, prompt, self.s.budget))
+
+        tasks = [asyncio.create_task(one(i)) for i in range(self.s.group_size)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # on a failure the group is retried as a whole: stop its other trajectories
+            for task in tasks:
+                task.cancel()
+
     async def _whole(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
         """One non-streamed request: vLLM returns `routed_experts` only on whole completions. Every token
         is tagged with the version current when the request was sent (never newer than the truth,
@@ -310,7 +342,7 @@ class RolloutLoop:
     def _build(self, step: int, groups: list[Group], stats: StepStats) -> tuple[dict, dict, dict]:
         """(tensors, meta, metrics) of batch `step`."""
         tensors = build_batch_tensors(groups, step)
-        versions = [v for g in groups for r in g.rollouts for v in r.versions]
+        versions = [v for g in groups for r in g.rollouts for v in r.trained_versions]  # not the environment's
         lags = [step - v for v in versions] or [0]
         meta = {"policy_version_max": max(versions, default=self.policy.version),
                 "group_ids": [g.group_id for g in groups], "dropped_groups": stats.dropped_groups}
@@ -328,6 +360,7 @@ class RolloutLoop:
             "dropped_groups": stats.dropped_groups,
             "policy_version": self.policy.version,
             "tokens": tokens,
+            "turns_mean": sum(r.turns for g in groups for r in g.rollouts) / max(n_rollouts, 1),
             **stats.extra,
         }
 
@@ -373,9 +406,3 @@ class RolloutLoop:
                 await asyncio.gather(dispatcher, *self._tasks, return_exceptions=True)
                 await self.scorer.close()
 
-
-async def _raise_for_status(resp) -> None:
-    """An HTTP error from the router becomes an exception carrying the start of its body."""
-    if resp.status >= 400:
-        text = (await resp.text())[:300]
-        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=text)

@@ -100,6 +100,8 @@ class OrchestratorStepRecord(StepRecord):
     """Trained (loss-masked) tokens in the batch."""
     weight_reload_s: float | None = None
     """Seconds the servers spent reloading weights since the previous batch."""
+    turns_mean: float | None = None
+    """Mean generated turns per rollout (1 for single-turn environments)."""
     reward_timeouts: int = 0
     """Reward calls past `orchestrator.reward.timeout_s` since the previous batch (each failed)."""
     reward_errors: int = 0
