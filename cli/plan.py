@@ -45,6 +45,9 @@ def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibr
     rec = load_recipe(recipe, overrides)
     profile = load_profile(rec.cluster.profile)
     if calibration is not None:
+        from rlctl.recipes.run_calibration import load_calibration
+
+        load_calibration(calibration, key="--calibration")  # its errors name the option, not the profile
         profile = profile.model_copy(update={"calibration": str(calibration)})
     if calibrate is not None:
         out = _calibrate(rec, profile, calibrate, calibration_out, as_json)
@@ -60,11 +63,11 @@ def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibr
 
 def _calibrate(rec, profile, run: Path, out: Optional[Path], as_json: bool) -> Path:
     """Fit and write the file; returns its path (the plan printed next uses it)."""
-    from rlctl.recipes.errors import RecipeError
+    from rlctl.recipes.errors import RecipeError, path_kind, shown
     from rlctl.recipes.run_calibration import calibrate
 
-    if not (run / "run.json").is_file():
-        raise RecipeError(f"{run} is not a run directory (no run.json)", key="--calibrate")
+    if path_kind(run / "run.json") != "file":  # path_kind: a name too long or with a NUL is "not there"
+        raise RecipeError(f"{shown(str(run))} is not a run directory (no run.json)", key="--calibrate")
     out = out if out is not None else run / "calibration.toml"
     written = calibrate(run, profile, out, recipe=_pinned(rec, run))
     if not as_json:

@@ -167,6 +167,10 @@ def _inference(inf: dict):
         rows.append(("memory/GPU", f"weights {inf.get('weights_gib_per_gpu', 0):.2f} GiB · KV "
                                    f"{inf.get('kv_cache_gib_per_gpu', 0):.2f} GiB "
                                    f"({_num(inf.get('kv_tokens_per_gpu'))} tokens)"))
+        prefill = (inf.get("replica_memory_gib") or {}).get("prefill")
+        if prefill:  # P/D: prefill replicas hold the weights over fewer GPUs
+            rows.append(("prefill/GPU", f"weights {prefill['weights']:.2f} GiB · KV {prefill['kv_cache']:.2f} GiB "
+                                        f"of {inf['usable_gib_per_gpu']:.1f} GiB usable"))
     else:
         rows.append(("servers", f"{inf.get('servers', 1)} CPU server(s) · KV {inf.get('kv_cache_gib_per_gpu', 0):.1f} GiB"))
     rows.append(("rollouts", f"{_num(inf.get('concurrency'))} at once (KV room for "

@@ -32,8 +32,15 @@ class InferencePlan:
     prefill_tokens_per_s: float
     prompt_tokens: int
     completion_tokens: int
-    rollout_step_time_s: float
+    rollout_step_time_s: float | None
+    """None when no rollout can run (no KV cache for one): `notes` says why."""
     fits: bool
+    usable_gib_per_gpu: float = 0.0
+    """vLLM's budget on one GPU: gpu_memory_utilization × the memory CUDA reports."""
+    replica_memory_gib: dict = field(default_factory=dict)
+    """Per replica kind (`decode`, and `prefill` in a P/D deployment), GiB on one of its GPUs: weights,
+    activations (vLLM's profiling peak, sampler, CUDA graphs, adapters), the KV cache the rest leaves,
+    and kv_needed, the least KV it must hold (decode: one rollout; prefill: one prompt chunk)."""
     notes: list = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -136,13 +143,18 @@ def prefill_tokens_per_s(spec, gpus: int, gpu, fp8: bool, mean_ctx: float) -> fl
     return gpus / s_per_token
 
 
-def _kv_budget(spec, inf, gpu, tp: int, ep_group: int, lora_bytes: float) -> tuple[float, float, float]:
-    """(KV-cache bytes per GPU, non-expert weight bytes, expert weight bytes) of one replica's GPU:
-    gpu_memory_utilization × the device total, less weights, the activation reserve and adapters."""
+def _kv_budget(spec, inf, gpu, tp: int, ep_group: int, lora_bytes: float) -> tuple[float, float, float, float]:
+    """(KV-cache bytes per GPU, non-expert weight bytes, expert weight bytes, activation reserve) of one
+    replica's GPU: gpu_memory_utilization × the device total, less weights, the reserve and adapters."""
     w_other, w_expert = weights_per_gpu(spec, inf.fp8, tp, ep_group)
-    budget = (inf.gpu_memory_utilization * gpu.hbm_bytes - activation_reserve_bytes(spec, tp, lora_bytes)
-              - w_other - w_expert)
-    return budget, w_other, w_expert
+    reserve = activation_reserve_bytes(spec, tp, lora_bytes)
+    budget = inf.gpu_memory_utilization * gpu.hbm_bytes - reserve - w_other - w_expert
+    return budget, w_other, w_expert, reserve
+
+
+def _replica_memory(weights: float, reserve: float, budget: float, kv_needed: float) -> dict:
+    return {"weights": round(weights / GIB, 3), "activations": round(reserve / GIB, 3),
+            "kv_cache": round(max(0.0, budget) / GIB, 3), "kv_needed": round(kv_needed / GIB, 3)}
 
 
 def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: int, mean_tokens: int,
@@ -165,8 +177,9 @@ def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: 
     moe_ep = bool(inf.ep and spec.is_moe)
     ep_group = replica_gpus if moe_ep else tp
     lora_bytes = C.LORA_MAX_LORAS * lora_params * 2.0 / tp
-    budget, w_other, w_expert = _kv_budget(spec, inf, gpu, tp, ep_group, lora_bytes)
+    budget, w_other, w_expert, reserve = _kv_budget(spec, inf, gpu, tp, ep_group, lora_bytes)
     kv_tok_gpu = kv_bytes_per_token_per_gpu(spec, tp)
+    memory = {"decode": _replica_memory(w_other + w_expert, reserve, budget, kv_tok_gpu * mean_tokens)}
     kv_tokens = max(0, int(budget // kv_tok_gpu))
     fits = budget > 0
     if not fits:
@@ -174,8 +187,10 @@ def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: 
                      f"{inf.gpu_memory_utilization:.2f} × {gpu.hbm_gib:.1f} GiB budget less activations")
     if dis.enabled:  # prefill replicas hold the same weights over their own EP group and need KV for a prompt
         p_group = dis.prefill_nodes_per_replica * gpus_per_node if moe_ep else tp
-        p_budget, p_other, p_expert = _kv_budget(spec, inf, gpu, tp, p_group, lora_bytes)
-        if p_budget < kv_tok_gpu * min(inf.max_model_len, C.VLLM_MAX_NUM_BATCHED_TOKENS):
+        p_budget, p_other, p_expert, p_reserve = _kv_budget(spec, inf, gpu, tp, p_group, lora_bytes)
+        p_needed = kv_tok_gpu * min(inf.max_model_len, C.VLLM_MAX_NUM_BATCHED_TOKENS)
+        memory["prefill"] = _replica_memory(p_other + p_expert, p_reserve, p_budget, p_needed)
+        if p_budget < p_needed:
             fits = False
             notes.append(f"prefill replicas ({dis.prefill_nodes_per_replica} node(s) each) need "
                          f"{(p_other + p_expert) / GIB:.1f} GiB/GPU of weights and leave no KV cache for a "
@@ -203,6 +218,10 @@ def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: 
     prefill_time = rollouts * prompt / prefill_tps if prefill_tps else math.inf
     # Disaggregated prefill runs beside decode; otherwise both share the same GPUs.
     rollout_s = max(decode_time, prefill_time) if dis.enabled else decode_time + prefill_time
+    if not math.isfinite(rollout_s):  # a figure, not Infinity: the plan says why instead
+        rollout_s = None
+        notes.append(f"no rollout of {mean_tokens} tokens fits in a GPU's KV cache, so none is decoded and "
+                     "the rollout step time is unknown")
     return InferencePlan(
         gpus=gpus, tp=tp, dp_per_replica=max(1, replica_gpus // tp), ep=moe_ep,
         replicas=replicas, prefill_gpus=prefill_gpus, decode_gpus=decode_gpus,
@@ -212,5 +231,6 @@ def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: 
         decode_batch_per_rank=round(batch, 2), decode_step_s=step_s, decode_bound=bound,
         decode_tokens_per_s=decode_tps, prefill_tokens_per_s=prefill_tps, prompt_tokens=prompt,
         completion_tokens=completion_tokens, rollout_step_time_s=rollout_s, fits=fits and concurrency > 0,
+        usable_gib_per_gpu=round(inf.gpu_memory_utilization * gpu.hbm_bytes / GIB, 3), replica_memory_gib=memory,
         notes=notes,
     )

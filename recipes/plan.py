@@ -38,9 +38,10 @@ def plan(recipe, profile=None, calibration: str | None = None) -> PlanReport:
     path = calibration or getattr(profile, "calibration", None)
     constants = contextlib.nullcontext()
     if path:  # the fitting module is imported only when a calibration file is in use
-        from rlctl.recipes.run_calibration import applied, load_calibration
+        from rlctl.recipes.run_calibration import applied, load_calibration, profile_calibration_key
 
-        constants = applied(load_calibration(path))
+        key = "calibration" if calibration else profile_calibration_key(profile)
+        constants = applied(load_calibration(path, key=key))
     with constants:
         report = build_report(recipe, profile)
         add_extras(report, recipe, profile)

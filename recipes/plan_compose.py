@@ -188,7 +188,9 @@ def _split_candidates(recipe, profile) -> list[tuple[int, int]]:
         return [(max(1, total - dep.inference_nodes), dep.inference_nodes)]
     if dis.enabled:
         return [(max(1, total - min_inf), min_inf)]
-    return [(t, total - t) for t in range(1, total)]
+    # A 1-node cluster has no split: plan one node each (the plan then says the cluster is too small,
+    # unless the local scheduler runs every group on the one machine).
+    return [(t, total - t) for t in range(1, total)] or [(1, 1)]
 
 
 def _evaluate(recipe, spec, profile, gpu, t_nodes, i_nodes, shape):
@@ -202,7 +204,7 @@ def _evaluate(recipe, spec, profile, gpu, t_nodes, i_nodes, shape):
 def _score(tp_, ip, off):
     if tp_ is None or not tp_.fits or not ip.fits:
         return math.inf
-    return _async_step(tp_.step_time_s, ip.rollout_step_time_s, off)
+    return _async_step(tp_.step_time_s, _rollout_s(ip), off)
 
 
 def _search(recipe, spec, profile, gpu, shape):
@@ -217,7 +219,7 @@ def _search(recipe, spec, profile, gpu, shape):
     while hi - lo > 2:
         mid = (lo + hi) // 2
         tp_, ip, _, _ = ev(cands[mid])
-        if tp_ is None or not tp_.fits or (ip.fits and tp_.step_time_s > ip.rollout_step_time_s):
+        if tp_ is None or not tp_.fits or (ip.fits and tp_.step_time_s > _rollout_s(ip)):
             lo = mid  # trainer-bound or does not fit: give the trainer more nodes
         else:
             hi = mid
@@ -284,7 +286,7 @@ def build_report(recipe, profile):
         trainer = tp_.to_json() if tp_ else {"step_time_s": None, "tokens_per_s": None, "memory_gib_per_gpu": None}
         inference = ip.to_json()
         trainer_s = tp_.step_time_s if tp_ else math.inf
-        rollout_s = ip.rollout_step_time_s
+        rollout_s = _rollout_s(ip)
     step = _async_step(trainer_s, rollout_s, o.max_off_policy_steps)
     bottleneck = "inference" if rollout_s >= trainer_s else "trainer"
     other = trainer_s if bottleneck == "inference" else rollout_s
@@ -314,6 +316,11 @@ def _degrees_of(tp_) -> dict | None:
 
 def _finite(x: float):
     return x if math.isfinite(x) else None
+
+
+def _rollout_s(ip) -> float:
+    """The inference plan's rollout step for comparisons: None (nothing decodes) ranks as endless."""
+    return math.inf if ip.rollout_step_time_s is None else ip.rollout_step_time_s
 
 
 def _site(recipe, profile) -> str:

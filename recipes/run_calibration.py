@@ -103,18 +103,22 @@ def applied(constants: dict | None):
             setattr(C, name, value)
 
 
-def load_calibration(path: str | Path) -> dict:
+def load_calibration(path: str | Path, key: str = "calibration") -> dict:
     """The `[constants]` of a calibration file, checked: every name must be a planner constant and
-    every value a finite positive number (or a table of them for per-kind constants)."""
+    every value a finite positive number (or a table of them for per-kind constants). `key` names
+    where the path came from in errors (a cluster profile's `calibration`, or `--calibration`)."""
+    from rlctl.recipes.errors import path_kind, shown
     from rlctl.recipes.load import read_toml
 
+    kind = path_kind(path)  # never raises: a name too long, a NUL byte, `~nobody` are "not there"
+    if kind != "file":
+        what = "is a directory, not a calibration file" if kind == "dir" else "calibration file not found"
+        raise RecipeError(f"{what}: {shown(str(path))}", key=key)
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise RecipeError(f"calibration file not found: {path}", key="calibration")
     data = read_toml(path)
     constants = data.get("constants")
     if not isinstance(constants, dict):
-        raise RecipeError(f"{path} has no [constants] table", key="calibration")
+        raise RecipeError(f"{path} has no [constants] table", key=key)
     for name, value in constants.items():
         current = getattr(C, name, None) if name.isupper() else None
         if current is None or callable(current) or isinstance(current, (str, bool)):
@@ -125,6 +129,11 @@ def load_calibration(path: str | Path) -> dict:
             kind = "a table of GPU kind = positive number" if isinstance(current, dict) else "a finite number > 0"
             raise RecipeError(f"must be {kind} (got {value!r}) in {path}", key=f"constants.{name}")
     return constants
+
+
+def profile_calibration_key(profile) -> str:
+    """How errors name a profile's calibration file: `cluster profile 'NAME': calibration`."""
+    return f"cluster profile {getattr(profile, 'name', '?')!r}: calibration"
 
 
 # ---- fitting -----------------------------------------------------------------------------------
@@ -235,7 +244,8 @@ def calibrate(run_dir: Path, profile, out: Path, recipe=None) -> dict:
     run_dir = Path(run_dir)
     recipe = recipe if recipe is not None else run_recipe(run_dir)
     measured = measured_medians(run_dir)
-    base = load_calibration(profile.calibration) if getattr(profile, "calibration", None) else {}
+    path = getattr(profile, "calibration", None)
+    base = load_calibration(path, key=profile_calibration_key(profile)) if path else {}
     constants, scales = fit(recipe, profile, measured, base)
     source = {"run": str(run_dir.resolve()), "recipe": recipe.name, "profile": profile.name,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

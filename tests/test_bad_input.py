@@ -256,11 +256,27 @@ def test_print_json_never_writes_infinity(capsys):
 
 
 def test_an_unusable_path_no_check_caught_is_still_one_line(tmp_path):
-    """The last net of the CLI: an OSError naming a path (here the profile's calibration file, 5000
-    characters long) is one line with exit 2, whichever module opened it."""
+    """The last net of the CLI: an OSError naming a path is one line with exit 2, whichever module
+    opened it. (The profile's calibration file, 5000 characters long, once reached it; it is now
+    checked first and the line names the profile's key.)"""
+    import errno
+
+    import typer
+
+    from rlctl.cli.common import user_errors
+
+    net = typer.Typer()
+
+    @net.command()
+    @user_errors
+    def opens(name: str) -> None:
+        raise OSError(errno.ENAMETOOLONG, "File name too long", name)
+
+    r = CliRunner().invoke(net, ["a" * 5000])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "File name too long" in r.output
     profile = tmp_path / "p.yaml"
     profile.write_text(f"nodes: 4\ngpus_per_node: 8\ngpu: h200\ncalibration: {'a' * 5000}\n")
-    _one_line_2(["plan", "qwen3-4b", "--cluster", str(profile)], "File name too long")
+    _one_line_2(["plan", "qwen3-4b", "--cluster", str(profile)], "cluster profile 'p': calibration: calibration file not found")
 
 
 def test_integers_python_cannot_read_are_one_line(tmp_path):

@@ -180,3 +180,52 @@ def test_human_plan_prints_names_as_given(tmp_path):
     render(plan(load_recipe(["qwen3-4b"]), profile).to_json(), file=buf)
     assert buf.getvalue().startswith("plan: qwen3-4b on lab[gpu] (qwen3-4b): ")
     assert "\x1b[" not in buf.getvalue()
+
+
+def test_no_kv_cache_means_no_rollout_time_and_the_plan_says_why():
+    """The rollout step was `inf` in the report (Infinity in any JSON but the CLI's) when no rollout
+    fits in the KV cache; it is None, and the error says why."""
+    import math
+
+    j = plan(load_recipe(["qwen3-4b"], ["inference.gpu_memory_utilization=0.065"])).to_json()
+    assert not j["fits"]
+    assert j["inference"]["rollout_step_time_s"] is None and j["orchestrator"]["rollout_step_time_s"] is None
+    assert any("rollout step time is unknown" in e for e in j["errors"])
+
+    def floats(o):
+        if isinstance(o, dict):
+            return [x for v in o.values() for x in floats(v)]
+        if isinstance(o, (list, tuple)):
+            return [x for v in o for x in floats(v)]
+        return [o] if isinstance(o, float) else []
+
+    assert all(math.isfinite(x) for x in floats(j))
+
+
+def test_plan_json_shows_each_replica_kinds_memory():
+    """P/D: prefill replicas hold the same weights over fewer GPUs than decode ones; the JSON shows
+    both kinds' weights, activations and KV cache per GPU against the usable memory, and a prefill
+    replica with no room for a prompt's KV makes the plan not fit."""
+    j = plan(load_recipe(["glm5-swe"])).to_json()["inference"]
+    usable = j["usable_gib_per_gpu"]
+    assert usable == pytest.approx(0.9 * 139.8, abs=0.1)  # gpu_memory_utilization × H200 as CUDA reports it
+    decode, prefill = j["replica_memory_gib"]["decode"], j["replica_memory_gib"]["prefill"]
+    assert prefill["weights"] > 1.5 * decode["weights"]  # 2 prefill nodes vs 8 decode nodes of EP
+    for m in (decode, prefill):
+        assert m["weights"] + m["activations"] + m["kv_cache"] == pytest.approx(usable, abs=0.01)
+        assert m["kv_cache"] >= m["kv_needed"]
+    big = ["model.name=\"glm-5\"", "inference.fp8=false", "inference.disaggregation.prefill_nodes_per_replica=1"]
+    k = plan(load_recipe(["glm5-swe"], big)).to_json()
+    pre = k["inference"]["replica_memory_gib"]["prefill"]
+    assert pre["kv_cache"] < pre["kv_needed"] and not k["fits"]
+    assert any("prefill replicas" in e for e in k["errors"])
+
+
+def test_auto_split_on_a_one_node_cluster_is_a_plan_that_says_so():
+    """`auto` node counts on a 1-node GPU cluster had no split to choose from: ValueError from min()."""
+    from rlctl.recipes.clusters import ClusterProfile
+
+    profile = ClusterProfile(name="one", nodes=1, gpus_per_node=8, gpu="h100-sxm")
+    rec = load_recipe(["qwen3-4b"], ['deployment.trainer_nodes="auto"', 'deployment.inference_nodes="auto"'])
+    j = plan(rec, profile).to_json()
+    assert not j["fits"] and any("needs 2 nodes but 'one' has 1" in e for e in j["errors"])

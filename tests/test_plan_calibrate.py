@@ -118,6 +118,29 @@ def test_bad_calibration_file_is_one_line_exit_2(tmp_path, body, key):
         assert key in out.output and len(out.output.strip().splitlines()) == 1 and "Traceback" not in out.output
 
 
+@pytest.mark.parametrize("where", ["profile", "--calibration", "--calibrate"])
+@pytest.mark.parametrize("path", ["missing", "directory", "too-long", "nul"])
+def test_calibration_paths_that_cannot_be_used_name_their_key(tmp_path, where, path):
+    """A calibration file or run that is not there, a directory, a name longer than the filesystem
+    allows or (in a profile's YAML) one with a NUL byte: one line naming where the path came from, exit 2."""
+    bad = {"missing": tmp_path / "nothere.toml", "directory": tmp_path, "too-long": tmp_path / ("c" * 300),
+           "nul": f"{tmp_path}/a\0b"}[path]
+    if where == "--calibrate" and path == "directory":
+        bad = tmp_path / "empty"  # a directory that is not a run
+        bad.mkdir()
+    if where == "profile":
+        out = rlctl("plan", TINY, "--cluster", profile_with(tmp_path, bad))
+        key = "cluster profile 'local-calibrated': calibration: "
+    elif path == "nul":
+        return  # a command line cannot hold a NUL byte (argv is C strings); a YAML profile can
+    else:
+        out = rlctl("plan", TINY, where, bad)
+        key = f"{where}: "
+    assert out.exit_code == 2, out.output
+    lines = out.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rlctl: error: {key}"), out.output
+
+
 def test_calibrate_needs_a_run_with_metrics(tmp_path):
     out = rlctl("plan", TINY, "--calibrate", tmp_path)
     assert out.exit_code == 2 and "--calibrate" in out.output

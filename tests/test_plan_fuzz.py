@@ -4,7 +4,7 @@ unknown keys, deep nesting, unicode), written to files and planned through the C
 
 Each must end in exit 0 or 2 — 2 with one `rlctl: error:` line — never a traceback; `--json` must parse
 with strict JSON (no NaN/Infinity), hold no negative figure, and `fits: true` must mean that every trainer
-rank and inference GPU fits in its memory. A few cases run as real subprocesses to check the same end to end.
+rank and the GPU of every kind of inference replica (decode, P/D prefill) fits in its memory. A few cases run as real subprocesses to check the same end to end.
 """
 from __future__ import annotations
 
@@ -248,6 +248,14 @@ def check_plan(plan: dict, profile_file: Path, recipe_file: Path) -> None:
     budget = hbm * recipe.inference.gpu_memory_utilization
     used = inference["weights_gib_per_gpu"] + inference["kv_cache_gib_per_gpu"]
     assert used <= budget * 1.001, ("inference GPU exceeds its memory", inference, budget)
+    # Every kind of replica (P/D prefill ones too): weights, activations and KV cache inside the budget,
+    # and room for the least KV it must hold (a rollout to decode, a prompt chunk to prefill).
+    assert inference["usable_gib_per_gpu"] == pytest.approx(budget, abs=0.01)
+    kinds = inference["replica_memory_gib"]
+    assert set(kinds) == ({"decode", "prefill"} if recipe.inference.disaggregation.enabled else {"decode"})
+    for kind, m in kinds.items():
+        assert m["weights"] + m["activations"] + m["kv_cache"] <= budget + 0.01, (f"{kind} replica exceeds its GPU", m, budget)
+        assert m["kv_cache"] >= m["kv_needed"] - 0.001, (f"{kind} replica has no room for its KV", m)
 
 
 def test_thousand_generated_inputs_plan_or_fail_in_one_line(tmp_path):
