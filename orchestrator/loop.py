@@ -147,6 +147,7 @@ class RolloutLoop:
         self._gate_open: dict[int, float] = {}
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
+        self._token_cache: dict[str, list[int]] = {}  # environment text -> the server's token ids
 
     # ---- dispatcher ------------------------------------------------------------------------------
     def _target_batch(self) -> int:
@@ -274,7 +275,8 @@ class RolloutLoop:
         async def one(index: int) -> Rollout:
             client = TokenClient(session, self.url, self.headers, self.policy, model=SERVED_MODEL_NAME,
                                  temperature=self.s.temperature, timeout_s=self.s.request_timeout_s,
-                                 request_id=f"rlctl-g{group_id}-{index}", cache_salt=policy_cache_salt)
+                                 request_id=f"rlctl-g{group_id}-{index}", cache_salt=policy_cache_salt,
+                                 token_cache=self._token_cache)
             return Rollout.from_trajectory(group_id, index, await self.env.rollout(client, prompt, self.s.budget))
 
         tasks = [asyncio.create_task(one(i)) for i in range(self.s.group_size)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENV_VERSION = -1  # the policy version recorded for environment tokens (no policy produced them)
+CACHED_TEXT_CHARS, CACHED_TEXTS = 64, 4096  # tokenisations kept: short texts only, a bounded number
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class TokenClient:
     it arrived (see loop.py for why that never overstates it)."""
 
     def __init__(self, session, url: str, headers: dict, policy, *, model: str, temperature: float,
-                 timeout_s: float, request_id: str, cache_salt):
+                 timeout_s: float, request_id: str, cache_salt, token_cache: dict[str, list[int]] | None = None):
         self.session = session
         self.url = url
         self.headers = headers
@@ -141,7 +142,8 @@ class TokenClient:
         self.timeout_s = timeout_s
         self.request_id = request_id
         self.cache_salt = cache_salt  # version -> salt: each turn's KV belongs to the policy serving it
-        self._tokens: dict[str, list[int]] = {}  # tool outputs repeat: tokenise each text once per client
+        # Short tool outputs repeat across trajectories: the loop shares one cache among its clients.
+        self._tokens = token_cache if token_cache is not None else {}
         self._requests = 0
 
     def new_trajectory(self, prompt_text: str, budget: Budget) -> Trajectory:
@@ -214,7 +216,12 @@ class TokenClient:
                 choices = (await resp.json()).get("choices") or []
             if not choices or choices[0].get("prompt_token_ids") is None:
                 raise ValueError("the server returned no prompt_token_ids for a tokenisation request")
-            self._tokens[text] = list(choices[0]["prompt_token_ids"])
+            ids = list(choices[0]["prompt_token_ids"])
+            if len(text) <= CACHED_TEXT_CHARS:
+                if len(self._tokens) >= CACHED_TEXTS:
+                    self._tokens.clear()
+                self._tokens[text] = ids
+            return ids
         return list(self._tokens[text])
 
 
