@@ -27,6 +27,8 @@ def format_validation_error(err, prefix: str = "") -> str:
         return f"{key}: {msg}"
     if any(_is_union_tag(p) for p in first.get("loc", ())):
         msg = "invalid value; allowed: " + " or ".join(sorted({_union_member(e) for e in err.errors()}))
+    elif first.get("type") == "literal_error":
+        msg = _only_value_doc(err, first.get("loc", ())) or msg
     value = first.get("input")
     return f"{key}: {msg} (got {'a table' if isinstance(value, dict) else _short_repr(value)})"
 
@@ -42,6 +44,23 @@ def _short_repr(value) -> str:
     r.maxlong = 40
     text = r.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _only_value_doc(err, loc) -> str | None:
+    """A setting with one allowed value (`pp: Literal[1]`) is a refusal: its docstring says why, and
+    is the message instead of pydantic's "Input should be 1"."""
+    from typing import Literal, get_args, get_origin
+
+    from rlctl.recipes.base import field_docs
+
+    model = getattr(err, "_rlctl_model", None)
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(str(part))
+        model = field.annotation if field is not None else None
+    field = getattr(model, "model_fields", {}).get(str(loc[-1])) if loc else None
+    if field is None or get_origin(field.annotation) is not Literal or len(get_args(field.annotation)) != 1:
+        return None
+    return field.description or field_docs(model).get(str(loc[-1]))
 
 
 def _allowed_keys(err, loc) -> list[str]:

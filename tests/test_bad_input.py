@@ -314,3 +314,14 @@ def test_the_schema_view_shows_the_bounds():
     assert "float[> 0, <= 1]" in lines["trainer.optimizer.lr"]
     assert "'auto' | int[>= 1," in lines["trainer.cp"]
     assert "tuple[float[>= 0, < 1], float[>= 0, < 1]]" in lines["trainer.optimizer.betas"]
+
+
+def test_pipeline_parallelism_is_refused_with_the_reason(tmp_path):
+    """`trainer.pp` was an unknown key like any typo; it is a schema field that only accepts 1, and its
+    docstring is the one-line refusal."""
+    why = "trainer.pp: Pipeline parallelism is not supported by the trainer"
+    _one_line_2(["plan", "qwen3-4b", "-o", "trainer.pp=4"], why)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[model]\nname = "qwen3-4b"\n[trainer]\npp = 2\n')
+    _one_line_2(["plan", str(recipe)], why)
+    assert load_recipe(["qwen3-4b"], ["trainer.pp=1"]).trainer.pp == 1

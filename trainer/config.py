@@ -48,6 +48,8 @@ class TrainerConfig(StrictModel):
     """Context-parallel degree (splits the sequence; must divide max_model_len); 'auto' lets the planner pick."""
     tp: Degree = 1
     """Tensor-parallel degree inside a node (rarely needed with FSDP2)."""
+    pp: Literal[1] = 1
+    """Pipeline parallelism is not supported by the trainer (it has no pipeline stages): pp must be 1; split a large model with fsdp, tp, cp or ep."""
     activation_checkpointing: bool = True
     """Recompute activations in backward (full per-layer recompute): less memory, ~33% more compute."""
     fp8: bool = False
