@@ -246,3 +246,27 @@ def test_rollout_loop_runs_multi_turn_groups(tmp_path):
         assert t["rewards"].eq(1.0).all()  # the fake policy repeats the key, then the value
     assert [r["turns_mean"] for r in records] == [2.0, 2.0]
     assert records[1]["off_policy_lag_max"] == 0
+
+
+def test_tokenisations_of_short_texts_are_shared_between_clients():
+    import aiohttp
+
+    async def main():
+        policy = PolicyVersion(0)
+        server = FakeServer(policy)
+        runner, url = await _serve(server)
+        cache: dict = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                a, b = (TokenClient(session, url, {}, policy, model="policy", temperature=1.0, timeout_s=30,
+                                    request_id=n, cache_salt=str, token_cache=cache) for n in "ab")
+                assert await a.tokenize("=7") == await b.tokenize("=7") == [ord("="), ord("7")]
+                long = "x" * 100
+                assert await a.tokenize(long) == await b.tokenize(long) == [ord("x")] * 100
+        finally:
+            await runner.cleanup()
+        return server, cache
+
+    server, cache = asyncio.run(main())
+    assert [body["prompt"] for _, body in server.requests] == ["=7", "x" * 100, "x" * 100]  # long: not kept
+    assert list(cache) == ["=7"]
