@@ -120,7 +120,14 @@ def _trainer(recipe, spec, profile, gpu, nodes: int, tokens: int, mean_seq: int,
                                       activation_checkpointing=tr.activation_checkpointing,
                                       optimizer_dtype=tr.optimizer_dtype, lora_rank=lora_rank(tr),
                                       lora_targets=_lora_targets(tr))[0]["total"]
-    cands = [c for c in _pow2_upto(world) if seq % c == 0 and world % (c * model_ranks_base) == 0]
+    # the trainer's Ulysses CP splits attention heads and cannot split DSA's indexer (it needs every key)
+    cp_ok = lambda c: c == 1 or (not spec.index_topk and spec.num_attention_heads % c == 0)  # noqa: E731
+    cands = [c for c in _pow2_upto(world) if seq % c == 0 and world % (c * model_ranks_base) == 0 and cp_ok(c)]
+    if isinstance(tr.cp, int) and not cp_ok(tr.cp):  # still planned: the figures show what it would take
+        errors.append(f"trainer.cp: cp={tr.cp} cannot run: " + (
+            f"context parallelism does not support DeepSeek sparse attention ({spec.name}: its indexer needs every "
+            "key of the sequence); allowed: cp = 1" if spec.index_topk else
+            f"Ulysses splits the {spec.num_attention_heads} attention heads, which cp must divide"))
     if tr.cp == AUTO:
         cp = next((c for c in cands if mem(c) <= gpu.hbm_gib), cands[-1] if cands else 1)
     else:
