@@ -11,7 +11,6 @@ names the version at the start (`step`) and at the end (`policy_version_end`).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from typing import Callable
@@ -20,6 +19,7 @@ import aiohttp
 
 from rlctl.inference.client import policy_cache_salt
 from rlctl.inference.server import SERVED_MODEL_NAME
+from rlctl.orchestrator.completion_stream import streamed_choices
 from rlctl.orchestrator.environments import Prompt
 from rlctl.orchestrator.exchange.metrics import EvalRecord
 
@@ -153,20 +153,11 @@ class Evaluator:
         texts, counts, finished = [""] * n, [0] * n, [False] * n
         headers = {**self.headers, "X-Request-Id": f"rlctl-eval-v{version}-p{i}"}
         async with session.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=self.timeout) as resp:
-            if resp.status >= 400:
-                raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                    continue
-                chunk = json.loads(line[5:].strip())
-                if "error" in chunk:
-                    raise ValueError(f"server error in stream: {str(chunk['error'])[:300]}")
-                for choice in chunk.get("choices", []):
-                    j = choice["index"]
-                    texts[j] += choice.get("text") or ""
-                    counts[j] += len(choice.get("token_ids") or [])
-                    finished[j] = finished[j] or bool(choice.get("finish_reason"))
+            async for choice, _version, ids, _lps in streamed_choices(resp, None, logprobs=False):
+                j = choice["index"]
+                texts[j] += choice.get("text") or ""
+                counts[j] += len(ids)
+                finished[j] = finished[j] or bool(choice.get("finish_reason"))
         if not all(finished):
             raise ValueError("stream ended before every completion finished")
         return texts, counts

@@ -27,7 +27,6 @@ whole group (partial streams are discarded), so no rollout is lost or duplicated
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from rlctl.orchestrator.advantages import group_advantages, is_stale, min_policy
 from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
 from rlctl.orchestrator.environments import Environment, MultiTurnEnvironment, Prompt
 from rlctl.orchestrator.trajectory import Budget, TokenClient
-from rlctl.orchestrator.trajectory import raise_for_status as _raise_for_status
+from rlctl.orchestrator.completion_stream import raise_for_status, streamed_choices
 from rlctl.orchestrator.rewards import RewardScorer
 from rlctl.inference.client import decode_routed_experts, policy_cache_salt, routed_experts_payload
 from rlctl.inference.server import SERVED_MODEL_NAME
@@ -237,36 +236,18 @@ class RolloutLoop:
             "stream": True, "cache_salt": policy_cache_salt(version),
         }
         async with self._post_completions(session, body, group_id) as resp:
-            await _raise_for_status(resp)
-            done = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise ValueError(f"server error in stream: {str(chunk['error'])[:300]}")
-                now_version = self.policy.version
-                for choice in chunk.get("choices", []):
-                    r = rollouts[choice["index"]]
-                    if choice.get("prompt_token_ids"):
-                        r.prompt_ids = list(choice["prompt_token_ids"])
-                    ids = choice.get("token_ids") or []
-                    lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
-                    if len(lps) != len(ids):
-                        raise ValueError(f"stream chunk has {len(ids)} token ids but {len(lps)} logprobs")
-                    r.completion_ids.extend(ids)
-                    r.logprobs.extend(float(x) for x in lps)
-                    r.versions.extend([now_version] * len(ids))
-                    r.text += choice.get("text") or ""
-                    if choice.get("finish_reason"):
-                        r.finish_reason = choice["finish_reason"]
-            if not done or any(r.finish_reason is None or not r.prompt_ids for r in rollouts):
-                raise ValueError("stream ended before every completion finished")
+            async for choice, now_version, ids, lps in streamed_choices(resp, self.policy):
+                r = rollouts[choice["index"]]
+                if choice.get("prompt_token_ids"):
+                    r.prompt_ids = list(choice["prompt_token_ids"])
+                r.completion_ids.extend(ids)
+                r.logprobs.extend(lps)
+                r.versions.extend([now_version] * len(ids))
+                r.text += choice.get("text") or ""
+                if choice.get("finish_reason"):
+                    r.finish_reason = choice["finish_reason"]
+        if any(r.finish_reason is None or not r.prompt_ids for r in rollouts):
+            raise ValueError("stream ended before every completion finished")
         return rollouts
 
     async def _trajectories(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
@@ -297,7 +278,7 @@ class RolloutLoop:
             "cache_salt": policy_cache_salt(version), "routed_experts_prompt_start": 0,
         }
         async with self._post_completions(session, body, group_id) as resp:
-            await _raise_for_status(resp)
+            await raise_for_status(resp)
             response = await resp.json()
         choices = sorted(response.get("choices") or [], key=lambda c: c["index"])
         if len(choices) != self.s.group_size:

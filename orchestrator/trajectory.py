@@ -12,9 +12,10 @@ environment). Environment tokens past the budget are cut and end the trajectory.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from rlctl.orchestrator.completion_stream import raise_for_status, streamed_choices
 
 ENV_VERSION = -1  # the policy version recorded for environment tokens (no policy produced them)
 CACHED_TEXT_CHARS, CACHED_TEXTS = 64, 4096  # tokenisations kept: short texts only, a bounded number
@@ -171,33 +172,15 @@ class TokenClient:
         seg = Segment([], [], [], True)
         prompt_ids: list[int] = []
         async with self._post(body) as resp:
-            await raise_for_status(resp)
-            done = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise ValueError(f"server error in stream: {str(chunk['error'])[:300]}")
-                now_version = self.policy.version
-                for choice in chunk.get("choices", []):
-                    if choice.get("prompt_token_ids"):
-                        prompt_ids = list(choice["prompt_token_ids"])
-                    ids = choice.get("token_ids") or []
-                    lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
-                    if len(lps) != len(ids):
-                        raise ValueError(f"stream chunk has {len(ids)} token ids but {len(lps)} logprobs")
-                    seg.ids.extend(ids)
-                    seg.logprobs.extend(float(x) for x in lps)
-                    seg.versions.extend([now_version] * len(ids))
-                    seg.text += choice.get("text") or ""
-                    seg.finish_reason = choice.get("finish_reason") or seg.finish_reason
-        if not done or seg.finish_reason is None or not prompt_ids:
+            async for choice, now_version, ids, lps in streamed_choices(resp, self.policy):
+                if choice.get("prompt_token_ids"):
+                    prompt_ids = list(choice["prompt_token_ids"])
+                seg.ids.extend(ids)
+                seg.logprobs.extend(lps)
+                seg.versions.extend([now_version] * len(ids))
+                seg.text += choice.get("text") or ""
+                seg.finish_reason = choice.get("finish_reason") or seg.finish_reason
+        if seg.finish_reason is None or not prompt_ids:
             raise ValueError("stream ended before the turn finished")
         if first:
             traj.prompt_ids = prompt_ids
@@ -223,12 +206,3 @@ class TokenClient:
                 self._tokens[text] = ids
             return ids
         return list(self._tokens[text])
-
-
-async def raise_for_status(resp) -> None:
-    """An HTTP error from the router becomes an exception carrying the start of its body."""
-    import aiohttp
-
-    if resp.status >= 400:
-        text = (await resp.text())[:300]
-        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=text)
