@@ -12,9 +12,9 @@ which replaces it and runs in the reward process pool.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any, Callable
 
+from rlctl.orchestrator.chat_template import ChatTemplate, model_dir
 from rlctl.orchestrator.datasets import KEY, Cursor, Row, load_rows, split_rows
 from rlctl.orchestrator.environments import Environment, Prompt, load_environment
 from rlctl.recipes.errors import RecipeError
@@ -36,39 +36,6 @@ def char_match(completion: str, answer: str) -> float:
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "char_match": char_match}
-
-
-class ChatTemplate:
-    """The model's chat template, rendered by its own tokenizer (read from local files only)."""
-
-    def __init__(self, model_dir: str):
-        from transformers import AutoTokenizer
-
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise RecipeError(f"cannot load the tokenizer of {model_dir} for its chat template: {str(exc)[:200]}",
-                              key="model.name") from None
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise RecipeError(f"the model's tokenizer ({model_dir}) has no chat_template: set "
-                              f"apply_chat_template = false and use a prompt column", key=f"{KEY}.apply_chat_template")
-
-    def render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def model_dir(recipe, run) -> str:
-    """Where the policy's tokenizer lives: the built tiny model, a local directory, or a hub id (read
-    from the local cache only)."""
-    from rlctl.trainer.tiny_model import is_tiny_model
-
-    name = recipe.model.name
-    if is_tiny_model(name):
-        return str(run.model)
-    path = Path(name).expanduser()
-    if path.is_file() and path.name == "config.json":
-        return str(path.parent)
-    return str(path) if path.is_dir() else name
 
 
 class DatasetEnvironment(Environment):
@@ -98,7 +65,7 @@ class DatasetEnvironment(Environment):
     def from_recipe(cls, recipe, run) -> "DatasetEnvironment":
         cfg = recipe.orchestrator.dataset
         needs_template = cfg.messages_column is not None or cfg.apply_chat_template
-        template = ChatTemplate(model_dir(recipe, run)) if needs_template else None
+        template = ChatTemplate(model_dir(recipe, run), f"{KEY}.apply_chat_template") if needs_template else None
         return cls(cfg, recipe.orchestrator.seed, template)
 
     def render(self, row: Row, split: str) -> Prompt:

@@ -142,11 +142,11 @@ class VerifiersEnvironment(Environment):
     @classmethod
     def from_recipe(cls, recipe, run) -> "VerifiersEnvironment":
         """Built by name, with the policy's chat template when `chat_template` is on."""
-        from rlctl.orchestrator.dataset_environment import ChatTemplate, model_dir
+        from rlctl.orchestrator.chat_template import ChatTemplate, model_dir
 
         env = cls(**recipe.orchestrator.environment.args)
         if env.chat_template:
-            env.template = ChatTemplate(model_dir(recipe, run))
+            env.template = ChatTemplate(model_dir(recipe, run), f"{KEY}.chat_template")
         return env
 
     # ---- prompts -----------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import pytest
 from sim_inference import sim_server
 
 from rlctl.orchestrator.dataset_config import DatasetConfig
-from rlctl.orchestrator.dataset_environment import ChatTemplate, DatasetEnvironment
+from rlctl.orchestrator.chat_template import ChatTemplate
+from rlctl.orchestrator.dataset_environment import DatasetEnvironment
 from rlctl.orchestrator.datasets import epoch_order, load_rows
 from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchWriter
 from rlctl.orchestrator.exchange.checkpoints import load_orchestrator_state, save_orchestrator_state
@@ -61,7 +62,7 @@ def test_messages_column_is_rendered_with_the_models_chat_template(tmp_path):
                           {"role": "user", "content": "d"}], "answer": "e"}]
     cfg = DatasetConfig(path=str(write_jsonl(tmp_path / "chat.jsonl", rows)), prompt_column=None,
                         messages_column="messages", system_prompt="s: ")
-    env = DatasetEnvironment(cfg, 0, ChatTemplate(str(model)))
+    env = DatasetEnvironment(cfg, 0, ChatTemplate(str(model), "orchestrator.dataset.apply_chat_template"))
     prompt = env.sample_prompts(random.Random(0), 1)[0]
     assert (prompt.text, prompt.target) == ("s: abcd", "e")  # the tiny model's template joins the contents
 

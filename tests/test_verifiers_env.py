@@ -54,12 +54,12 @@ def test_a_factory_and_an_infinite_taskset_with_limit(ref, config):
 
 
 def test_prompts_use_the_models_chat_template_with_the_system_prompt(tmp_path):
-    from rlctl.orchestrator.dataset_environment import ChatTemplate
+    from rlctl.orchestrator.chat_template import ChatTemplate
     from rlctl.trainer.tiny_model import _build_tokenizer
 
     _build_tokenizer().save_pretrained(str(tmp_path / "model"))
     env = VerifiersEnvironment(SEQUENCE, {"size": 1, "system_prompt_text": "go:"})
-    env.template = ChatTemplate(str(tmp_path / "model"))
+    env.template = ChatTemplate(str(tmp_path / "model"), "orchestrator.environment.args.chat_template")
     assert env.sample_prompts(random.Random(0), 1)[0].text == "go:012"  # the tiny template joins the contents
 
 
