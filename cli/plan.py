@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         cluster: Optional[str] = typer.Option(None, "--cluster", "-c", help="Cluster profile name or YAML path (overrides cluster.profile)."),
         override: List[str] = typer.Option([], "--override", "-o", help="key.path=value override (repeatable)."),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-        calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="Finished run directory to fit the constants to."),
+        calibrate: Optional[str] = typer.Option(None, "--calibrate", help="Finished run (directory or name) to fit the constants to."),
         calibration_out: Optional[Path] = typer.Option(None, "--calibration-out", help="Where --calibrate writes (default RUN/calibration.toml)."),
         calibration: Optional[Path] = typer.Option(None, "--calibration", help="Plan with this calibration file (overrides the profile's)."),
     ) -> None:
@@ -61,11 +61,17 @@ def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibr
         render(report.to_json())
 
 
-def _calibrate(rec, profile, run: Path, out: Optional[Path], as_json: bool) -> Path:
-    """Fit and write the file; returns its path (the plan printed next uses it)."""
+def _calibrate(rec, profile, ref: str, out: Optional[Path], as_json: bool) -> Path:
+    """Fit and write the file; returns its path (the plan printed next uses it). `ref` is found the way
+    every command finds a run: a run directory, or a run name under the output root."""
+    from rlctl.launchers.status import RunNotFound, resolve_run
     from rlctl.recipes.errors import RecipeError, path_kind, shown
     from rlctl.recipes.run_calibration import calibrate
 
+    try:
+        run = resolve_run(ref)
+    except (RunNotFound, OSError, ValueError):  # OSError/ValueError: a name no filesystem can hold
+        run = Path(ref)
     if path_kind(run / "run.json") != "file":  # path_kind: a name too long or with a NUL is "not there"
         raise RecipeError(f"{shown(str(run))} is not a run directory (no run.json)", key="--calibrate")
     out = out if out is not None else run / "calibration.toml"

@@ -14,7 +14,8 @@ class EnvironmentConfig(StrictModel):
     """Where prompts and rewards come from."""
 
     name: str = "sequence"
-    """Built-in environment name (`sequence`, `count_a`, `dataset`) or a dotted path `module:Class`."""
+    """Built-in environment name (`sequence`, `count_a`, `tool_lookup` (multi-turn), `dataset` (see
+    `[orchestrator.dataset]`), `verifiers` (a verifiers task set)) or a dotted path `module:Class`."""
     args: dict[str, Any] = {}
     """Keyword arguments passed to the environment's constructor."""
 

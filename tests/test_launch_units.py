@@ -192,3 +192,14 @@ def test_a_model_directory_relative_to_the_launch_directory_travels_absolute(tmp
     recipe = load_for_launch(["tiny-cpu"], ["model.name=my-model"])[0]
     assert recipe.model.name == str(tmp_path / "my-model")
     assert load_for_launch(["tiny-cpu"])[0].model.name == "tiny-qwen3"  # catalog names stay names
+
+
+def test_lora_is_refused_at_launch_until_the_trainer_trains_adapters():
+    """Planned, not trained: launching would silently train every weight, so the key is refused."""
+    from rlctl.launchers.launch import load_for_launch
+    from rlctl.recipes.errors import RecipeError
+
+    with pytest.raises(RecipeError) as err:
+        load_for_launch(["tiny-cpu"], ["trainer.lora.rank=8"])
+    assert err.value.key == "trainer.lora.rank"
+    assert load_for_launch(["tiny-cpu"], ["trainer.lora.rank=0"])[0].trainer.lora.rank == 0

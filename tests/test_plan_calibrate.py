@@ -85,6 +85,15 @@ def test_calibrate_then_plan_reproduces_the_run(tmp_path, trainer_s, orch_s, wai
     assert planned(TINY)["orchestrator"]["trainer_step_time_s"] != pytest.approx(trainer_s, rel=0.02)
 
 
+def test_calibrate_finds_a_run_by_name_like_every_command(tmp_path, monkeypatch):
+    synthetic_run(tmp_path, 2.0, 3.0)  # <output root>/run
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
+    cal = tmp_path / "cal.toml"
+    out = rlctl("plan", TINY, "--calibrate", "run", "--calibration-out", cal)
+    assert out.exit_code == 0, out.output
+    assert str((tmp_path / "run").resolve()) in cal.read_text()
+
+
 def test_calibrate_a_gpu_run(tmp_path):
     """The same fit on the GPU path: per-GPU-kind tables get an entry for the profile's GPU kind."""
     run = synthetic_run(tmp_path, 20.0, 30.0, recipe="qwen3-4b")

@@ -24,3 +24,13 @@ class LoRAConfig(StrictModel):
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+
+def check_launchable(lora: LoRAConfig) -> None:
+    """`rlctl plan` sizes LoRA runs, the trainer does not train adapters yet: refuse at launch rather than
+    silently train every weight."""
+    if lora.enabled:
+        from rlctl.recipes.errors import RecipeError
+
+        raise RecipeError(f"rank={lora.rank}: LoRA is planned by `rlctl plan` but the trainer does not train adapters "
+                          "yet (allowed at launch: 0, full fine-tuning)", key="trainer.lora.rank")
