@@ -186,6 +186,8 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
         if eval_task is not None:
             eval_task.cancel()
             await asyncio.gather(eval_task, return_exceptions=True)
+            if evaluator.scorer is not None:
+                await evaluator.scorer.close()
         monitor_task.cancel()
         watch_task.cancel()
         guard_task.cancel()
@@ -203,9 +205,14 @@ def start_evaluation(run: RunDir, recipe, env, router_url: str, api_key: str, po
     if eval_env is None:
         return None, None
     cfg = recipe.orchestrator
+    scorer = None
+    if cfg.reward.function:  # the recipe's reward scores eval too, in its own pool
+        from rlctl.orchestrator.rewards import RewardScorer  # (the loop closes its scorer when training ends)
+
+        scorer = RewardScorer.build(cfg.reward, eval_env, cfg.environment.name, cfg.environment.args)
     evaluator = Evaluator(cfg.eval, eval_env, router_url, api_key, policy, cfg.max_tokens,
                           record=lambda rec: append_record(run, "eval", rec), log=log, start_version=start_step,
-                          request_timeout_s=cfg.request_timeout_s)
+                          request_timeout_s=cfg.request_timeout_s, scorer=scorer)
     log(f"evaluating {len(evaluator.prompts)} eval prompts every {cfg.eval.interval} policy versions")
     return evaluator, asyncio.create_task(evaluator.run())
 

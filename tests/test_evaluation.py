@@ -122,3 +122,27 @@ def test_monitor_and_plot_show_eval(tmp_path):
 
     write_plot(run.root, tmp_path / "p.png")  # eval records alone are enough to plot
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("function", [None, "exact_match"])
+def test_the_recipes_reward_function_scores_eval_too(tmp_path, function):
+    """`[orchestrator.reward] function` replaces the environment's reward for training and for eval alike."""
+    from rlctl.orchestrator.__main__ import start_evaluation
+    from rlctl.recipes.load import load_recipe
+
+    over = ["orchestrator.dataset.apply_chat_template=false"] + (
+        [f'orchestrator.reward.function="{function}"'] if function else [])
+    recipe = load_recipe(["tiny-dataset-cpu"], over)
+    run = RunDir(tmp_path / "run")
+    run.create()
+
+    async def built():
+        evaluator, task = start_evaluation(run, recipe, None, "http://127.0.0.1:9", None, PolicyVersion(0), 0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if evaluator.scorer is not None:
+            await evaluator.scorer.close()
+        return evaluator
+
+    evaluator = asyncio.run(built())
+    assert (evaluator.scorer is not None) == bool(function)
