@@ -16,7 +16,7 @@ from rlctl.recipes.plan import compute_placement, plan
 from rlctl.trainer.degrees import resolve_dims
 
 runner = CliRunner()
-PLANNED = {"glm5-swe": {"dp_replicate": 1, "dp_shard": 48, "cp": 2, "tp": 1, "ep": 8},
+PLANNED = {"glm5-swe": {"dp_replicate": 1, "dp_shard": 96, "cp": 1, "tp": 1, "ep": 8},
            "qwen3-30b-a3b": {"dp_replicate": 1, "dp_shard": 16, "cp": 1, "tp": 1, "ep": 8}}
 
 

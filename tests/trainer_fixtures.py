@@ -125,6 +125,17 @@ def trainer_metrics(run: RunDir) -> list[dict]:
     return [x for x in lines if x.get("component") == "trainer"]
 
 
+def _rank_entry(rank: int, rank_main, *args) -> None:
+    """One spawned rank: `rank_main`, then out without the interpreter's teardown. Process groups that
+    tensors or meshes still reference die there, and gloo's threads can then abort the process
+    ("terminate called without an active exception", SIGABRT) after its work is done: the trainer
+    leaves the same way (rlctl.trainer.__main__)."""
+    rank_main(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(rank_main, world: int, *args, timeout: float = 240) -> None:
     """Run `rank_main(rank, world, port, *args)` in `world` spawned processes (a gloo group on a free
     port); fail the test if they do not all finish within `timeout` seconds (and kill them)."""
@@ -133,7 +144,7 @@ def spawn_ranks(rank_main, world: int, *args, timeout: float = 240) -> None:
     import pytest
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(rank_main, args=(world, free_port(), *args), nprocs=world, join=False,
+    ctx = mp.start_processes(_rank_entry, args=(rank_main, world, free_port(), *args), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
