@@ -108,7 +108,9 @@ def build_parallel_model(config_or_dir, dims, mesh, device, trainer_cfg, *, load
     if is_moe_config(config):  # grouped experts always; split over `ep` when ep > 1
         from rlctl.trainer.expert_parallel import apply_expert_parallel
 
-        apply_expert_parallel(model, mesh["ep"])
+        from rlctl.trainer.parallel import own_group
+
+        apply_expert_parallel(model, mesh["ep"], own_group(mesh, "ep") if dims.ep > 1 else None)
     elif dims.ep > 1:
         from rlctl.recipes.errors import RecipeError
 

@@ -16,9 +16,10 @@ from rlctl.trainer.moe import enable_grouped_experts, expert_mlp, moe_blocks
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
-def apply_expert_parallel(model, ep_mesh) -> int:
+def apply_expert_parallel(model, ep_mesh, ep_group=None) -> int:
     """Shard every MoE block's experts over the 1-D `ep_mesh` (meta or real parameters) and make the
-    blocks dispatch tokens to them; enables the grouped forward. Returns the number of MoE blocks."""
+    blocks dispatch tokens to them over `ep_group` (default: the mesh's group); enables the grouped
+    forward. Returns the number of MoE blocks."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     n_blocks = enable_grouped_experts(model)
@@ -34,7 +35,7 @@ def apply_expert_parallel(model, ep_mesh) -> int:
             param = getattr(experts, name)
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             experts.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
-        experts._rlctl_ep_group = ep_mesh.get_group()
+        experts._rlctl_ep_group = ep_group if ep_group is not None else ep_mesh.get_group()
         experts._rlctl_ep_dispatch = dispatch_compute_combine
     return n_blocks
 

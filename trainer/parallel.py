@@ -72,6 +72,23 @@ def build_mesh(dims: ParallelDims, device: "torch.device"):  # noqa: F821
     return mesh
 
 
+def own_group(mesh, dim: str):
+    """A process group of its own for the ranks of `mesh[dim]` that this rank belongs to. A flattened
+    mesh dim may reuse another dim's group (with ep = world, `fsdp` and `ep` are one group); collectives
+    of two kinds on one gloo group must then be issued in the same order on every rank, which the
+    autograd engine does not promise for the expert all-to-alls and FSDP's reduce-scatters (a mismatch
+    aborts gloo). Every rank creates every group of `dim`, in the same order."""
+    import torch.distributed as dist
+
+    i = mesh.mesh_dim_names.index(dim)
+    mine = None
+    for ranks in mesh.mesh.movedim(i, -1).reshape(-1, mesh.mesh.shape[i]).tolist():
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
 def fsdp_mesh(mesh, dims: ParallelDims):
     """The mesh dense parameters are sharded over: (dp_replicate, fsdp) for HSDP, else fsdp."""
     return mesh["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else mesh["fsdp"]
