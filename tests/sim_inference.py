@@ -200,3 +200,31 @@ if __name__ == "__main__":
     if uvloop is not None:
         uvloop.install()
     asyncio.run(_main(parser.parse_args()))
+
+
+@contextlib.asynccontextmanager
+async def completions_endpoint(handler):
+    """`/v1/completions` answered by `handler` in this process (a fake whose answers a test controls),
+    on a free port; yields its base URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+class MemoryBatchWriter:
+    """The rollout loop's BatchWriter, keeping each step's tensors in memory."""
+
+    def __init__(self):
+        self.batches = {}
+
+    def write(self, step, tensors, meta):
+        self.batches[step] = tensors

@@ -146,6 +146,7 @@ def test_batch_stacks_payloads_of_different_lengths_padded_with_minus_one():
 def test_loop_stores_routed_experts_of_each_choice(tmp_path):
     pytest.importorskip("aiohttp")
     from aiohttp import web
+    from sim_inference import MemoryBatchWriter, completions_endpoint
 
     from rlctl.orchestrator.environments import load_environment
     from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
@@ -167,32 +168,15 @@ def test_loop_stores_routed_experts_of_each_choice(tmp_path):
                             "routed_experts": encode(routed)})
         return web.json_response({"choices": choices})
 
-    class Writer:
-        def __init__(self):
-            self.batches = {}
-
-        def write(self, step, tensors, meta):
-            self.batches[step] = tensors
-
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
         settings = LoopSettings(rollouts_per_step=8, group_size=4, max_tokens=3, max_off_policy_steps=1,
                                 max_in_flight=8, routed_experts=True)
         env = load_environment("sequence", {"alphabets": ["digits"], "strides": [1], "prompt_len": 3,
                                             "target_len": 2})
-        writer = Writer()
-        loop = RolloutLoop(settings, env, f"http://127.0.0.1:{port}", None, PolicyVersion(0), writer,
-                           rng=random.Random(0))
-        try:
+        writer = MemoryBatchWriter()
+        async with completions_endpoint(completions) as url:
+            loop = RolloutLoop(settings, env, url, None, PolicyVersion(0), writer, rng=random.Random(0))
             await asyncio.wait_for(loop.run(), 60)
-        finally:
-            await runner.cleanup()
         return writer.batches
 
     batches = asyncio.run(main())

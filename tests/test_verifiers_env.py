@@ -103,6 +103,7 @@ def test_the_rollout_loop_scores_through_the_rubric_in_reward_workers(tmp_path):
     which ran in the reward worker processes (the environment rebuilt there by name)."""
     pytest.importorskip("aiohttp")
     from aiohttp import web
+    from sim_inference import MemoryBatchWriter, completions_endpoint
 
     from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
     from rlctl.orchestrator.reward_config import RewardConfig
@@ -124,37 +125,20 @@ def test_the_rollout_loop_scores_through_the_rubric_in_reward_workers(tmp_path):
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    class Writer:
-        def __init__(self):
-            self.batches = {}
-
-        def write(self, step, tensors, meta):
-            self.batches[step] = tensors
-
     steps = {}
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
         settings = LoopSettings(rollouts_per_step=8, group_size=4, max_tokens=2, max_off_policy_steps=1,
                                 max_in_flight=8, max_steps=2)
         env = load_environment("verifiers", args)
         scorer = RewardScorer.build(RewardConfig(workers=2), env, "verifiers", args)
         assert scorer.mode == "pool"
         await scorer.start()
-        writer = Writer()
-        loop = RolloutLoop(settings, env, f"http://127.0.0.1:{port}", None, PolicyVersion(0), writer,
-                           rng=random.Random(0), scorer=scorer,
-                           on_batch=lambda step, groups, metrics: steps.update({step: metrics}))
-        try:
+        writer = MemoryBatchWriter()
+        async with completions_endpoint(completions) as url:
+            loop = RolloutLoop(settings, env, url, None, PolicyVersion(0), writer, rng=random.Random(0),
+                               scorer=scorer, on_batch=lambda step, groups, metrics: steps.update({step: metrics}))
             await asyncio.wait_for(loop.run(), 120)
-        finally:
-            await runner.cleanup()
         return writer.batches
 
     batches = asyncio.run(main())
