@@ -21,8 +21,8 @@ from pathlib import Path
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-tools-cpu.toml")
 
 
-def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
-    """Mean reward per step of one replay with sampling seed `seed`."""
+def replay(seed: int, overrides: list[str], model_dir: str, lag: int = 1) -> list[float]:
+    """Mean reward per step of one replay with sampling seed `seed`, batch N sampled by policy N - lag."""
     import json
 
     import torch
@@ -33,6 +33,7 @@ def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
     from rlctl.orchestrator.environments import load_environment
     from rlctl.recipes.load import load_recipe
     from rlctl.trainer.loss import importance_ratio_loss, token_logprobs_and_entropy
+    from rlctl.trainer.lr_schedule import build_scheduler
     from rlctl.trainer.tiny_model import EOS_ID, PAD_ID, vocab
 
     hf_logging.disable_progress_bar()
@@ -44,6 +45,7 @@ def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
     sampler = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
                                   weight_decay=opt_cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, opt_cfg, o.max_steps)
     env = load_environment(o.environment.name, o.environment.args)
     ids_of = vocab()
     chars = {i: c for c, i in ids_of.items()}
@@ -64,7 +66,7 @@ def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
             alive = alive & (nxt != EOS_ID)  # vLLM ends a turn at EOS (the EOS itself is trained on)
         return seq, seq[:, start:]
 
-    rewards = []
+    rewards, history = [], []
     for _ in range(o.max_steps):
         prompts = [p for p in env.sample_prompts(rng, n_prompts) for _ in range(G)]
         seq = torch.tensor([[ids_of[c] for c in p.text] for p in prompts])
@@ -81,7 +83,9 @@ def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
         r = [env.reward(p, json.dumps({"call": c, "answer": text(a)})) for p, c, a in zip(prompts, calls, answer)]
         adv = torch.tensor([a for g in range(n_prompts)
                             for a in group_advantages(r[g * G:(g + 1) * G], o.normalize_advantages)])
-        sampler.load_state_dict(model.state_dict())
+        # the sampler serves the policy `lag` steps behind the one about to be trained
+        history.append(copy.deepcopy(model.state_dict()))
+        sampler.load_state_dict(history.pop(0) if len(history) >= lag else history[0])
         logp, _ = token_logprobs_and_entropy(model(seq).logits, seq)
         loss, _ = importance_ratio_loss(logp, inf_lp, adv, mask, loss_cfg)
         optimizer.zero_grad()
@@ -89,6 +93,7 @@ def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
         if opt_cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.max_grad_norm)
         optimizer.step()
+        scheduler.step()
         rewards.append(sum(r) / len(r))
     return rewards
 
@@ -97,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=8, help="sampling seeds 0..N-1")
     ap.add_argument("--workers", type=int, default=2, help="seeds replayed in parallel (one core each)")
+    ap.add_argument("--lag", type=int, default=1, help="policy lag of every batch (the real loop: 0 or 1)")
     ap.add_argument("-o", "--override", action="append", default=[], help="recipe override key=value")
     args = ap.parse_args()
 
@@ -107,7 +113,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(build_tiny_model(Path(tmp) / "model", seed=recipe.model.build_seed))
         with ProcessPoolExecutor(args.workers) as pool:
-            runs = list(pool.map(replay, range(args.seeds), [args.override] * args.seeds, [model_dir] * args.seeds))
+            runs = list(pool.map(replay, range(args.seeds), [args.override] * args.seeds, [model_dir] * args.seeds,
+                                  [args.lag] * args.seeds))
     ended = 0
     for seed, rw in enumerate(runs):
         first = next((i for i, x in enumerate(rw) if x >= 0.8), None)

@@ -22,7 +22,12 @@ class OptimizerConfig(StrictModel):
     max_grad_norm: NonNegative = 1.0
     """Gradient-norm clip; 0 disables clipping."""
     warmup_steps: Count = 0
-    """Linear warm-up steps of the learning rate (constant afterwards)."""
+    """Linear warm-up steps of the learning rate."""
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate shape after the warm-up, until orchestrator.max_steps: a decay damps the late
+    oscillations of a policy that is already near its best reward."""
+    min_lr_ratio: Fraction = 0.0
+    """Where a decay ends, as a fraction of `lr` (in [0, 1))."""
 
 
 class LossConfig(StrictModel):

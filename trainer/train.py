@@ -25,6 +25,7 @@ from rlctl.orchestrator.exchange.steps import step_dir_name
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.load import validate
 from rlctl.trainer.checkpoint import CheckpointWriteError
+from rlctl.trainer.lr_schedule import build_scheduler
 
 PREEMPTED = object()
 TERMINATED_EXIT = 128 + signal.SIGTERM
@@ -78,10 +79,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
         )
-        warmup = opt.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.scheduler = build_scheduler(self.optimizer, opt, recipe.orchestrator.max_steps)
         self.step_ctx = StepContext(
             self.model, self.optimizer, self.scheduler, self.loss_fn, self.cfg, self.dims, self.mesh, self.device,
             moe=self.is_moe, router_replay=self.cfg.router_replay,
