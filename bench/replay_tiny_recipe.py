@@ -6,7 +6,10 @@ group-relative advantages, loss (rlctl.trainer.loss), AdamW settings and batch s
 sampled by policy N-1 (the recipe's `max_off_policy_steps = 1`) — and drops the serving stack. It
 is how the recipe's learning rate and target length were chosen; run it before changing them:
 
-    python bench/replay_tiny_recipe.py [--seeds 16] [--workers 2] [-o trainer.optimizer.lr=5e-3 ...]
+    python bench/replay_tiny_recipe.py [--recipe tiny-moe-cpu] [--seeds 16] [--workers 2] [-o trainer.optimizer.lr=5e-3 ...]
+
+`--recipe` replays another tiny recipe of the same task family (tiny-moe-cpu: the MoE model, run with
+transformers' own MoE blocks; expert parallelism changes no number, see tests/test_moe.py).
 
 Prints, per seed, the first step whose mean reward is >= 0.8 and the mean reward of the last 5 steps,
 then how many seeds reached 0.8 and ended (last 5 steps) at >= 0.8.
@@ -20,10 +23,10 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.toml")
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
-def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
+def replay(seed: int, recipe_path: str, overrides: list[str], model_dir: str) -> list[float]:
     """Mean reward per step of one replay of the recipe with sampling seed `seed`."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -33,17 +36,19 @@ def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
     from rlctl.orchestrator.environments import load_environment
     from rlctl.recipes.load import load_recipe
     from rlctl.trainer.loss import importance_ratio_loss, token_logprobs_and_entropy
+    from rlctl.trainer.lr_schedule import build_scheduler
     from rlctl.trainer.tiny_model import EOS_ID, PAD_ID, vocab
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)  # one seed per core: the model is far too small to gain from threads
     torch.manual_seed(seed)
-    recipe = load_recipe([RECIPE], overrides)
+    recipe = load_recipe([recipe_path], overrides)
     o, opt_cfg, loss_cfg = recipe.orchestrator, recipe.trainer.optimizer, recipe.trainer.loss
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     sampler = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
                                   weight_decay=opt_cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, opt_cfg, o.max_steps)
     env = load_environment(o.environment.name, o.environment.args)
     ids_of = vocab()
     chars = {i: c for c, i in ids_of.items()}
@@ -76,12 +81,14 @@ def replay(seed: int, overrides: list[str], model_dir: str) -> list[float]:
         if opt_cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.max_grad_norm)
         optimizer.step()
+        scheduler.step()
         rewards.append(sum(r) / len(r))
     return rewards
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="tiny-cpu", help="a tiny recipe under recipes/ (tiny-cpu, tiny-moe-cpu)")
     ap.add_argument("--seeds", type=int, default=16, help="sampling seeds 0..N-1")
     ap.add_argument("--workers", type=int, default=2, help="seeds replayed in parallel (one core each)")
     ap.add_argument("-o", "--override", action="append", default=[], help="recipe override key=value")
@@ -90,11 +97,13 @@ def main() -> None:
     from rlctl.recipes.load import load_recipe
     from rlctl.trainer.tiny_model import build_tiny_model
 
-    recipe = load_recipe([RECIPE], args.override)
+    recipe_path = str(RECIPES / f"{args.recipe}.toml")
+    recipe = load_recipe([recipe_path], args.override)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(Path(tmp) / "model", seed=recipe.model.build_seed))
+        model_dir = str(build_tiny_model(Path(tmp) / "model", seed=recipe.model.build_seed, name=recipe.model.name))
+        n = args.seeds
         with ProcessPoolExecutor(args.workers) as pool:
-            runs = list(pool.map(replay, range(args.seeds), [args.override] * args.seeds, [model_dir] * args.seeds))
+            runs = list(pool.map(replay, range(n), [recipe_path] * n, [args.override] * n, [model_dir] * n))
     reached = ended = 0
     for seed, rw in enumerate(runs):
         first = next((i for i, x in enumerate(rw) if x >= 0.8), None)

@@ -9,6 +9,13 @@ checkpoint, so the layer-wise reload never re-processes it: its weight may end u
 than the new embedding, and kernels prepared from the old values (oneDNN keeps its own packed copy on
 CPU) keep computing logits with the old head. We re-tie the head to the embedding and redo the
 head's post-load processing.
+
+The same kind of staleness on the CPU fused-MoE path (vLLM 0.32): the experts' first load prepacks
+w13/w2 into the grouped-GEMM layout, but a weight update skips that step (the kernel "is already set
+up") and copies the new values, unpacked, into the packed storage. The kernel then reads unpacked
+weights as packed: reloading even identical weights moved the tiny MoE's logprobs by 0.03, and the
+trainer/inference mismatch of tiny-moe-cpu grew to KL 0.15 over a run. We redo the prepack after
+each reload (tests/test_routed_experts.py checks the served model against transformers after one).
 """
 from __future__ import annotations
 
@@ -50,6 +57,23 @@ def refresh_tied_lm_head(model) -> bool:
     return retied
 
 
+def repack_cpu_moe_experts(model) -> int:
+    """Redo the CPU fused-MoE experts' prepack on every MoE layer after a reload; returns how many.
+    Experts of other backends (GPU kernels) are left alone: their weight update path is complete."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU MoE experts
+        return 0
+    repacked = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked
+
+
 class ReloadExtension:
     """Methods callable by name through `/collective_rpc` on every worker of the server."""
 
@@ -66,9 +90,10 @@ class ReloadExtension:
             loaded = time.perf_counter()
             model = self.model_runner.get_model()
             retied = _tied(self.vllm_config.model_config.hf_config) and refresh_tied_lm_head(model)
+            repacked = repack_cpu_moe_experts(model)
         done = time.perf_counter()
         return {"step_dir": str(path), "load_s": loaded - start, "retie_s": done - loaded,
-                "total_s": done - start, "retied_lm_head": bool(retied)}
+                "total_s": done - start, "retied_lm_head": bool(retied), "repacked_moe_layers": repacked}
 
     def rlctl_lm_head_tied(self) -> bool:
         """Whether the LM head shares the embedding's storage (a check for tests and debugging)."""

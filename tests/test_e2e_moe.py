@@ -4,6 +4,7 @@ orchestrator, and a 2-rank trainer with grouped experts and expert parallelism (
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 
 import pytest
@@ -24,9 +25,11 @@ def test_tiny_moe_with_expert_parallelism_learns(tmp_path):
     trainer, orch = metrics(run)
     rewards = [r["reward_mean"] for r in orch]
     assert rewards[0] < 0.2, rewards[:5]
-    # It learns, but not yet to the 0.8: the last-5 mean ended 0.70-0.87 over runs (the routing
-    # amplifies the trainer/inference mismatch, mismatch_kl ~0.18 where the dense recipe has far less).
-    assert sum(rewards[-5:]) / 5 >= 0.5, f"reward did not end >= 0.5: {rewards}"
+    # Before the server repacked its CPU fused experts after each reload it served stale-layout experts:
+    # mismatch_kl grew to ~0.15 and the last-5 mean ended 0.70-0.87; with the repack it ended 0.92.
+    why = f"rewards {[round(r, 3) for r in rewards]}\nmismatch_kl {[round(r['mismatch_kl'], 4) for r in trainer]}"
+    assert sum(rewards[-5:]) / 5 >= 0.8, f"reward did not end >= 0.8: {why}"
+    assert statistics.median(r["mismatch_kl"] for r in trainer) < 0.05, why
     # load-balance statistics: every MoE layer's 8 experts, all routed tokens of the step counted top-2 times
     last = trainer[-1]
     assert len(last["tokens_per_expert"]) == 2 and all(len(layer) == 8 for layer in last["tokens_per_expert"])
