@@ -122,6 +122,13 @@ KV_BYTES = 2.0
 LORA_MAX_LORAS = 1
 """Adapters each vLLM engine keeps on the GPU for RL (the policy's current one)."""
 
+# ---- the async step -------------------------------------------------------------------------------
+ASYNC_STEP_SYNC_S = 0.0
+"""Seconds per step on the trainer's side of the async loop outside its step: publishing the weights,
+the servers' reload, the off-policy gate handing over. The model does not predict it yet, so 0 by
+default; `rlctl plan --calibrate` sets it from a trainer-bound run (its median orchestrator step
+minus its planned trainer step; the tiny-cpu runs: 0.06-0.10 s on 0.23-0.30 s trainer steps)."""
+
 # ---- CPU path (vLLM CPU build, FSDP2 on gloo; the model is recipes/plan_report.py) ---------------
 # Measured on the tiny-cpu recipe (tiny Qwen3, 0.1M params) on a 2-core box shared with other work:
 # median trainer step 0.23 s (4 micro-batches per rank), median orchestrator step 0.38 s (512

@@ -178,8 +178,10 @@ def _inference(recipe, spec, profile, gpu, nodes: int, rollouts: int, mean: int,
 
 def _async_step(trainer_s: float, rollout_s: float, max_off_policy: int) -> float:
     """Steady-state step: with ≥ 1 step of allowed staleness the two sides overlap fully and the slower
-    one sets the pace; at 0 (synchronous RL) they alternate."""
-    return max(trainer_s, rollout_s) if max_off_policy >= 1 else trainer_s + rollout_s
+    one sets the pace; at 0 (synchronous RL) they alternate. The weight hand-off after each trainer step
+    (C.ASYNC_STEP_SYNC_S, set by calibration) is on the trainer's side of the loop."""
+    trainer_side = trainer_s + C.ASYNC_STEP_SYNC_S
+    return max(trainer_side, rollout_s) if max_off_policy >= 1 else trainer_side + rollout_s
 
 
 def _split_candidates(recipe, profile) -> list[tuple[int, int]]:

@@ -206,7 +206,8 @@ def fit(recipe, profile, measured: dict, base: dict | None = None) -> tuple[dict
     """(fitted constants, scale per side). The rollout side is fitted to the orchestrator step when the
     run was rollout-bound (generating took longer than a trainer step: the plan's async step is then the
     rollout step, and what the orchestrator adds per step and the weight reload pauses belong to it),
-    else to the generation time alone (the off-policy gate's wait is the trainer's pace, not inference's)."""
+    else to the generation time alone (the off-policy gate's wait is the trainer's pace, not inference's)
+    and the rest of the orchestrator step beyond the trainer step becomes ASYNC_STEP_SYNC_S."""
     base = dict(base or {})
     sides = _sides(recipe, profile, base)
     constants, scales = {}, {}
@@ -219,6 +220,10 @@ def fit(recipe, profile, measured: dict, base: dict | None = None) -> tuple[dict
     if sides["inference"]:
         scales["inference"], fitted = _fit_side(recipe, profile, sides["inference"], 1, target, {**base, **constants})
         constants.update(fitted)
+    if not rollout_bound:
+        # the trainer set the pace: what its loop spends beyond the step (weight publish, reload, the
+        # gate's hand-off) is the rest of the orchestrator's step
+        constants["ASYNC_STEP_SYNC_S"] = max(0.0, measured["orchestrator_step_time_s"] - trainer_s)
     return constants, scales
 
 
