@@ -223,7 +223,9 @@ def fit(recipe, profile, measured: dict, base: dict | None = None) -> tuple[dict
     if not rollout_bound:
         # the trainer set the pace: what its loop spends beyond the step (weight publish, reload, the
         # gate's hand-off) is the rest of the orchestrator's step
-        constants["ASYNC_STEP_SYNC_S"] = max(0.0, measured["orchestrator_step_time_s"] - trainer_s)
+        sync_s = measured["orchestrator_step_time_s"] - trainer_s
+        if sync_s > 0:  # a calibration file holds positive numbers only
+            constants["ASYNC_STEP_SYNC_S"] = sync_s
     return constants, scales
 
 
