@@ -8,7 +8,7 @@ import statistics
 import subprocess
 
 import pytest
-from e2e_checks import RLCTL, leftover_processes, metrics
+from e2e_checks import RLCTL, learning_report, leftover_processes, metrics
 
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny-moe-cpu.toml"
@@ -27,8 +27,8 @@ def test_tiny_moe_with_expert_parallelism_learns(tmp_path):
     assert rewards[0] < 0.2, rewards[:5]
     # Before the server repacked its CPU fused experts after each reload it served stale-layout experts:
     # mismatch_kl grew to ~0.15 and the last-5 mean ended 0.70-0.87; with the repack it ended 0.92.
-    why = f"rewards {[round(r, 3) for r in rewards]}\nmismatch_kl {[round(r['mismatch_kl'], 4) for r in trainer]}"
-    assert sum(rewards[-5:]) / 5 >= 0.8, f"reward did not end >= 0.8: {why}"
+    why = learning_report(trainer, orch)
+    assert sum(rewards[-5:]) / 5 >= 0.8, f"reward did not end >= 0.8:\n{why}"
     assert statistics.median(r["mismatch_kl"] for r in trainer) < 0.05, why
     # load-balance statistics: every MoE layer's 8 experts, all routed tokens of the step counted top-2 times
     last = trainer[-1]

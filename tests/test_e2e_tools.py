@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_checks import assert_contract_keys, leftover_processes, metrics
+from e2e_checks import assert_contract_keys, learning_report, leftover_processes, metrics
 
 from rlctl.orchestrator.exchange.batches_fs import read_batch, step_dir
 
@@ -36,11 +36,7 @@ def test_tool_recipe_learns_with_two_turns_and_masked_tool_replies(tmp_path):
     assert [r["step"] for r in orch] == list(range(MAX_STEPS))
     rewards = [r["reward_mean"] for r in orch]
     assert rewards[0] < 0.2, rewards[:5]
-    # on failure, what tells a slow curve from an unstable one: policy lag, trainer/inference mismatch
-    why = (f"rewards {[round(r, 3) for r in rewards]}\nlag {[r['off_policy_lag_mean'] for r in orch]}\n"
-           f"mismatch_kl {[round(r['mismatch_kl'], 4) for r in trainer]}\n"
-           f"masked_fraction {[r['masked_fraction'] for r in trainer]}\ngrad_norm {[round(r['grad_norm'], 3) for r in trainer]}")
-    assert sum(rewards[-5:]) / 5 >= 0.8, f"reward did not end >= 0.8: {why}"
+    assert sum(rewards[-5:]) / 5 >= 0.8, f"reward did not end >= 0.8:\n{learning_report(trainer, orch)}"
     assert all(r["turns_mean"] >= 2 for r in orch), [r["turns_mean"] for r in orch]
 
     # Every rollout file: 2 prompt tokens (`k3`), the call, the tool's reply `=v` (loss mask 0, no

@@ -324,7 +324,6 @@ def test_reloaded_moe_weights_match_transformers(moe_server):
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
 
     from rlctl.inference.client import InferenceClient, prompt_logprobs_of, reload_all
     from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
@@ -349,9 +348,7 @@ def test_reloaded_moe_weights_match_transformers(moe_server):
     new_dir = run.root / "new-policy"
     shutil.copytree(run.model, new_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file(new, str(new_dir / "model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0], -1)
+    logp, _ = _transformers_forward(new_dir, PROMPT)
     old, _ = _transformers_forward(run.model, PROMPT)
     target = [(i, PROMPT[i + 1]) for i in range(len(served))]
     diff = max(abs(x - logp[i, t].item()) for x, (i, t) in zip(served, target))
