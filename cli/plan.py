@@ -31,8 +31,11 @@ def register(app: typer.Typer) -> None:
         calibrate: Optional[str] = typer.Option(None, "--calibrate", help="Finished run (directory or name) to fit the constants to."),
         calibration_out: Optional[Path] = typer.Option(None, "--calibration-out", help="Where --calibrate writes (default RUN/calibration.toml)."),
         calibration: Optional[Path] = typer.Option(None, "--calibration", help="Plan with this calibration file (overrides the profile's)."),
+        multiplex: bool = typer.Option(False, "--multiplex", help="Each RECIPE is one run: simulate them on the cluster isolated vs sharing an inference pool (docs/multiplex.md)."),
     ) -> None:
         with pydantic_plugins_off():  # the recipe models, the config.json adapter: no plugin scan
+            if multiplex:
+                return _multiplex(recipe, cluster, override, as_json, calibrate, calibration)
             _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibration)
 
 
@@ -59,6 +62,22 @@ def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibr
         from rlctl.cli.plan_view import render
 
         render(report.to_json())
+
+
+def _multiplex(recipe, cluster, override, as_json, calibrate, calibration) -> None:
+    # imported only with --multiplex: `rlctl plan` of one recipe does not pay for the simulation
+    from rlctl.recipes.errors import RecipeError
+    from rlctl.recipes.multiplex import multiplex
+
+    if calibrate is not None or calibration is not None:
+        raise RecipeError("cannot be combined with --calibrate/--calibration; allowed: plain plans", key="--multiplex")
+    report = multiplex(list(recipe), list(override), cluster)
+    if as_json:
+        print_json(report)
+    else:
+        from rlctl.cli.multiplex_view import render
+
+        render(report)
 
 
 def _calibrate(rec, profile, ref: str, out: Optional[Path], as_json: bool) -> Path:
