@@ -187,6 +187,13 @@ def _loop(j: dict):
     orch, lag, cost = j["orchestrator"], j.get("off_policy") or {}, j.get("cost") or {}
     idle = ", ".join(f"{k} idle {v:.0%}" for k, v in orch["idle_fraction"].items() if v is not None)
     rows = [("async step", f"{_fmt_s(orch['step_time_s'])} · bottleneck {j['bottleneck']}" + (f" · {idle}" if idle else ""))]
+    w = j.get("weights") or {}
+    if w.get("sync_time_s"):
+        chosen, times = w["transport"], w["sync_time_s"]
+        others = " · ".join(f"{t} {_fmt_s(v)}" for t, v in times.items() if t != chosen)
+        rows.append(("weight sync", f"{chosen} {_fmt_s(times[chosen])} per step, {_fmt_bytes(w['bytes'])} "
+                                    f"{w['dtype']} (trainer blocked {_fmt_s(w['trainer_side_s'])}, servers "
+                                    f"paused {_fmt_s(w['rollout_side_s'])}) · {others}"))
     if lag.get("lag_mean_steps") is not None:
         rows.append(("off-policy lag", f"mean rollout {_fmt_s(lag['rollout_mean_s'])} = {lag['lag_mean_steps']:.2f} steps · "
                                        f"longest {_fmt_s(lag['rollout_max_s'])} = {lag['lag_max_steps']:.2f} steps · "

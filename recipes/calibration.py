@@ -122,12 +122,32 @@ KV_BYTES = 2.0
 LORA_MAX_LORAS = 1
 """Adapters each vLLM engine keeps on the GPU for RL (the policy's current one)."""
 
-# ---- the async step -------------------------------------------------------------------------------
+# ---- the async step and the weight sync (the model is recipes/plan_sync.py) ----------------------
 ASYNC_STEP_SYNC_S = 0.0
-"""Seconds per step on the trainer's side of the async loop outside its step: publishing the weights,
-the servers' reload, the off-policy gate handing over. The model does not predict it yet, so 0 by
-default; `rlctl plan --calibrate` sets it from a trainer-bound run (its median orchestrator step
-minus its planned trainer step; the tiny-cpu runs: 0.06-0.10 s on 0.23-0.30 s trainer steps)."""
+"""Seconds per step on the trainer's side of the async loop that the model does not explain: what a
+run spends between trainer steps beyond the trainer step and the modelled weight sync (the off-policy
+gate handing over, HTTP round trips, marker polling). 0 by default; `rlctl plan --calibrate` sets it
+from a trainer-bound run (its median orchestrator step minus its planned trainer step and the planned
+trainer-side sync). Before the sync was modelled, the tiny-cpu runs gave 0.06-0.10 s on 0.23-0.30 s
+trainer steps, publish and reload included."""
+WEIGHT_RELOAD_FIXED_S = {"h100-sxm": 2.0, "h100-96gb": 2.0, "h200": 2.0, "b200": 2.0, "a100-80gb": 2.0,
+                         "cpu": 0.05}
+"""Fixed part of one weight sync on the servers, whatever the bytes: pause (in-flight requests kept),
+vLLM's weight loader and post-load processing (FP8 scales, MoE weight layout), prefix-cache reset,
+resume. GPU: assumed, about half of the pause/drain share (≈ 5 s) of prime-rl's 8.6 s median GLM-5
+sync, since rlctl keeps in-flight requests instead of draining them. CPU: the tiny-cpu run's
+publish + in-place reload (≈ 0.05 s)."""
+WEIGHT_SYNC_NET_EFF = 0.7
+"""Achieved fraction of a NIC's bandwidth in the bucketed trainer → inference weight broadcast (large
+buckets: the fraction NCCL collectives reach, NET_EFF)."""
+WEIGHT_SYNC_BUCKET_LATENCY_S = 2e-3
+"""Per bucket of the broadcast (`weights.bucket_mb`): the collective's launch and handshake and the
+receiving worker's `load_weights` call on the bucket."""
+WEIGHT_BROADCAST_GROUP_S = {"h100-sxm": 2.0, "h100-96gb": 2.0, "h200": 2.0, "b200": 2.0, "a100-80gb": 2.0,
+                            "cpu": 0.1}
+"""Forming the broadcast transport's process group for a step (a TCPStore rendezvous, then the
+communicator). CPU: ≈ 0.1 s with gloo (bench/bench_weight_broadcast.py). GPU: assumed; NCCL
+communicator set-up over a hundred-odd ranks takes seconds."""
 
 # ---- CPU path (vLLM CPU build, FSDP2 on gloo; the model is recipes/plan_report.py) ---------------
 # Measured on the tiny-cpu recipe (tiny Qwen3, 0.1M params) on a 2-core box shared with other work:
@@ -149,11 +169,6 @@ CPU_DECODE_STEP_OVERHEAD_S = 0.01
 CPU_DECODE_TOKEN_OVERHEAD_S = 3e-4
 """Per generated token on CPU: sampling, detokenization, streaming through router and orchestrator
 (1,024 tokens per step in ≈0.33 s in the tiny-cpu run)."""
-
-# ---- shared filesystem --------------------------------------------------------------------------
-FS_WRITE_BYTES_PER_S = 1e9
-"""Write bandwidth of one writer to the shared filesystem (checkpoints, weights): ≈1 GB/s per client on
-Lustre/GPFS/NFS over 10–100 GbE."""
 
 
 def per_kind(table: dict, kind: str):

@@ -41,9 +41,18 @@ class ClusterProfile(StrictModel):
     """CPU-only nodes in the `cpu` partition (for router + orchestrator)."""
     # > 0: a zero or negative bandwidth made communication free (or its time negative) in the plan.
     interconnect_gbps: Annotated[float, Field(gt=0, le=1e6)] = 400.0
-    """Inter-node bandwidth per GPU in Gbit/s (e.g. 400 for NDR InfiniBand); unused on CPU-only profiles."""
+    """Inter-node bandwidth per GPU in Gbit/s (e.g. 400 for NDR InfiniBand); the weight broadcast's NIC. On
+    CPU-only profiles: the bandwidth between two processes of the gloo weight broadcast."""
     intra_node_gbps: Annotated[float, Field(gt=0, le=1e6)] = 7200.0
     """Intra-node GPU-to-GPU bandwidth in Gbit/s (NVLink 900 GB/s = 7200); unused on CPU-only profiles."""
+    # > 0 as the NIC figures: a zero bandwidth made the weight sync and checkpoint writes free (or endless).
+    fs_aggregate_gbs: Annotated[float, Field(gt=0, le=1e6)] = 10.0
+    """Shared filesystem bandwidth of the whole cluster in GB/s (all nodes reading or writing together);
+    bounds the weight sync of `weights.transport = "filesystem"` and checkpoint writes. The default is a
+    conservative guess (a small NFS/Lustre install); set the figure your storage sustains (IOR, fio)."""
+    fs_node_gbs: Annotated[float, Field(gt=0, le=1e5)] = 1.0
+    """Shared filesystem bandwidth of one node's client in GB/s (one node reading or writing alone). The
+    default is conservative (≈ 1 GB/s per client over 10-100 GbE); set what one node sustains."""
     shared_fs: str | None = None
     """Path of the shared filesystem where run directories go (None: ./runs)."""
     partitions: Partitions = Partitions()

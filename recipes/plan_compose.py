@@ -12,6 +12,7 @@ from rlctl.recipes.models import get_model_spec
 from rlctl.recipes.plan_disk import plan_disk
 from rlctl.recipes.plan_report import (PlanReport, cpu_groups, cpu_placement, cpu_rollout_time, cpu_trainer_time,
                                        orchestrator_site)
+from rlctl.recipes.plan_sync import cpu_shape, gpu_shape, weight_sync
 from rlctl.trainer.degrees import ParallelDims
 from rlctl.trainer.plan import lora_params, lora_rank, memory_breakdown, plan_trainer
 
@@ -176,12 +177,30 @@ def _inference(recipe, spec, profile, gpu, nodes: int, rollouts: int, mean: int,
                           completion_tokens=completion, max_in_flight=in_flight, tp=tp, dp=dp)
 
 
-def _async_step(trainer_s: float, rollout_s: float, max_off_policy: int) -> float:
+def _async_step(trainer_s: float, rollout_s: float, max_off_policy: int, weights: dict | None = None) -> float:
     """Steady-state step: with ≥ 1 step of allowed staleness the two sides overlap fully and the slower
-    one sets the pace; at 0 (synchronous RL) they alternate. The weight hand-off after each trainer step
-    (C.ASYNC_STEP_SYNC_S, set by calibration) is on the trainer's side of the loop."""
-    trainer_side = trainer_s + C.ASYNC_STEP_SYNC_S
-    return max(trainer_side, rollout_s) if max_off_policy >= 1 else trainer_side + rollout_s
+    one sets the pace; at 0 (synchronous RL) they alternate, and wait for the whole sync in between.
+
+    The weight sync (`weights`, recipes/plan_sync.py) is on each side for the time it blocks that side:
+    the trainer cannot start its next step while it writes or sends its part (its parameters are being
+    read out), so that part is on the trainer's side; the servers generate nothing while paused for the
+    reload (reading or receiving, then the fixed reload cost), so that part is on the rollout side. The
+    rest of the hand-off the model does not explain (C.ASYNC_STEP_SYNC_S, fitted by calibration) is on
+    the trainer's side of the loop."""
+    trainer_sync, rollout_sync = _sync_sides(weights)
+    if max_off_policy >= 1:
+        return max(trainer_s + trainer_sync + C.ASYNC_STEP_SYNC_S, rollout_s + rollout_sync)
+    whole = weights["sync_time_s"][weights["transport"]] if weights else 0.0
+    return trainer_s + C.ASYNC_STEP_SYNC_S + whole + rollout_s
+
+
+def _sync_sides(weights: dict | None) -> tuple[float, float]:
+    """(trainer side, rollout side) of the chosen transport's weight sync."""
+    return (weights["trainer_side_s"], weights["rollout_side_s"]) if weights else (0.0, 0.0)
+
+
+def _gpu_weights(recipe, spec, profile, tp_, ip, t_nodes: int, i_nodes: int) -> dict:
+    return weight_sync(recipe, spec, profile, gpu_shape(recipe, profile, tp_, ip, t_nodes, i_nodes), on_gpu=True)
 
 
 def _split_candidates(recipe, profile) -> list[tuple[int, int]]:
@@ -210,30 +229,50 @@ def _evaluate(recipe, spec, profile, gpu, t_nodes, i_nodes, shape):
     return tp_, ip, errors, warnings
 
 
-def _score(tp_, ip, off):
+def _score(tp_, ip, weights, off):
     if tp_ is None or not tp_.fits or not ip.fits:
         return math.inf
-    return _async_step(tp_.step_time_s, _rollout_s(ip), off)
+    return _async_step(tp_.step_time_s, _rollout_s(ip), off, weights)
 
 
 def _search(recipe, spec, profile, gpu, shape):
-    """Best split: trainer time falls and rollout time rises with trainer nodes, so the async step
-    (their max) is unimodal; bisect for the crossing, then check its neighbours."""
+    """Best split: trainer time falls and rollout time rises with trainer nodes; bisect for the crossing
+    of the two sides. Beyond it the rollout side sets the step, and it need not rise monotonically: the
+    filesystem weight sync grows with the inference nodes that read the model, so fewer of them can be
+    faster; the rollout side is unimodal there, so a ternary search finds its minimum."""
     cands = _split_candidates(recipe, profile)
     off = recipe.orchestrator.max_off_policy_steps
-    ev = lambda c: _evaluate(recipe, spec, profile, gpu, c[0], c[1], shape)  # noqa: E731
+    seen: dict = {}
+
+    def ev(c):  # (trainer plan, inference plan, weight sync) of the split c
+        if c not in seen:
+            tp_, ip, _, _ = _evaluate(recipe, spec, profile, gpu, c[0], c[1], shape)
+            seen[c] = (tp_, ip, _gpu_weights(recipe, spec, profile, tp_, ip, c[0], c[1]))
+        return seen[c]
+
+    def score(c):
+        return _score(*ev(c), off)
+
     if len(cands) <= 3:
-        return cands[0] if len(cands) == 1 else min(cands, key=lambda c: _score(*ev(c)[:2], off))
+        return cands[0] if len(cands) == 1 else min(cands, key=score)
     lo, hi = 0, len(cands) - 1
     while hi - lo > 2:
         mid = (lo + hi) // 2
-        tp_, ip, _, _ = ev(cands[mid])
-        if tp_ is None or not tp_.fits or (ip.fits and tp_.step_time_s > _rollout_s(ip)):
+        tp_, ip, w = ev(cands[mid])
+        trainer_sync, rollout_sync = _sync_sides(w)
+        if tp_ is None or not tp_.fits or (ip.fits and tp_.step_time_s + trainer_sync > _rollout_s(ip) + rollout_sync):
             lo = mid  # trainer-bound or does not fit: give the trainer more nodes
         else:
             hi = mid
-    window = cands[max(0, lo - 1): hi + 2]
-    return min(window, key=lambda c: _score(*ev(c)[:2], off))
+    a, b = hi, len(cands) - 1
+    while b - a > 2:
+        m1, m2 = a + (b - a) // 3, b - (b - a) // 3
+        if score(cands[m1]) <= score(cands[m2]):
+            b = m2
+        else:
+            a = m1
+    window = cands[max(0, lo - 1): hi + 2] + cands[max(0, a - 1): b + 2]
+    return min(window, key=score)
 
 
 def _cpu_report(recipe, spec, profile, shape, errors, warnings):
@@ -278,6 +317,7 @@ def build_report(recipe, profile):
 
     if profile.gpus_per_node == 0 or cpu_groups(recipe):
         placement, trainer, inference, trainer_s, rollout_s = _cpu_report(recipe, spec, profile, shape, errors, warnings)
+        weights = weight_sync(recipe, spec, profile, cpu_shape(placement), on_gpu=False)
     else:
         gpu = gpu_spec(profile.gpu)
         t_nodes, i_nodes = _search(recipe, spec, profile, gpu, shape)
@@ -296,11 +336,15 @@ def build_report(recipe, profile):
         inference = ip.to_json()
         trainer_s = tp_.step_time_s if tp_ else math.inf
         rollout_s = _rollout_s(ip)
-    step = _async_step(trainer_s, rollout_s, o.max_off_policy_steps)
-    bottleneck = "inference" if rollout_s >= trainer_s else "trainer"
-    other = trainer_s if bottleneck == "inference" else rollout_s
+        weights = _gpu_weights(recipe, spec, profile, tp_, ip, t_nodes, i_nodes)
+    step = _async_step(trainer_s, rollout_s, o.max_off_policy_steps, weights)
+    trainer_sync, rollout_sync = _sync_sides(weights)
+    trainer_busy, rollout_busy = trainer_s + trainer_sync + C.ASYNC_STEP_SYNC_S, rollout_s + rollout_sync
+    bottleneck = "inference" if rollout_busy >= trainer_busy else "trainer"
+    other = trainer_busy if bottleneck == "inference" else rollout_busy
     orchestrator = {"step_time_s": _finite(step), "trainer_step_time_s": _finite(trainer_s),
                     "rollout_step_time_s": _finite(rollout_s), "max_off_policy_steps": o.max_off_policy_steps,
+                    "weight_sync_trainer_s": trainer_sync, "weight_sync_rollout_s": rollout_sync,
                     "idle_fraction": {("trainer" if bottleneck == "inference" else "inference"):
                                       round(1 - other / step, 3) if math.isfinite(step) and step > 0 else None},
                     "max_in_flight": in_flight, "mean_tokens": mean, "completion_tokens": completion}
@@ -313,7 +357,7 @@ def build_report(recipe, profile):
               {"name": "trainer", "nodes": placement.trainer_nodes, "ntasks_per_node": placement.trainer_ranks_per_node}]
     return PlanReport(recipe=recipe.name, profile=profile.name, model=spec.name, placement=placement, groups=groups,
                       trainer=trainer, inference=inference, orchestrator=orchestrator, bottleneck=bottleneck,
-                      fits=not errors, errors=errors, warnings=warnings, disk=plan_disk(recipe, spec))
+                      fits=not errors, errors=errors, warnings=warnings, disk=plan_disk(recipe, spec), weights=weights)
 
 
 def _degrees_of(tp_) -> dict | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from rlctl.recipes import calibration as C
+from rlctl.recipes.plan_sync import sync_warning
 
 SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
@@ -26,9 +26,11 @@ def slurm_seconds(text: str) -> float | None:
     return a * 60 + b  # MM or MM:SS
 
 
-def checkpoint_seconds(disk: dict, trainer_nodes: int) -> float:
-    """Writing one checkpoint: every trainer node writes its ranks' shards at the per-client bandwidth."""
-    return disk.get("checkpoint_bytes", 0) / (max(1, trainer_nodes) * C.FS_WRITE_BYTES_PER_S)
+def checkpoint_seconds(disk: dict, trainer_nodes: int, profile) -> float:
+    """Writing one checkpoint: every trainer node writes its ranks' shards in parallel, bounded by the
+    profile's per-node and aggregate filesystem bandwidth."""
+    bandwidth = min(max(1, trainer_nodes) * profile.fs_node_gbs, profile.fs_aggregate_gbs) * 1e9
+    return disk.get("checkpoint_bytes", 0) / bandwidth
 
 
 def cost(report, recipe, profile) -> dict:
@@ -39,7 +41,7 @@ def cost(report, recipe, profile) -> dict:
     nodes = pl.trainer_nodes + pl.inference_nodes + (1 if pl.orchestrator == "cpu_partition" else 0)
     gpus = (pl.trainer_nodes + pl.inference_nodes) * profile.gpus_per_node
     interval = recipe.checkpoint.interval
-    ckpt_s = checkpoint_seconds(report.disk, pl.trainer_nodes)
+    ckpt_s = checkpoint_seconds(report.disk, pl.trainer_nodes, profile)
     out = {"gpus": gpus, "nodes": nodes, "max_steps": o.max_steps, "checkpoint_write_s": ckpt_s,
            "gpu_hours_per_step": None, "gpu_hours_per_run": None, "node_hours_per_run": None,
            "wall_time_s": None}
@@ -119,6 +121,9 @@ def warnings(report, recipe, profile) -> list[str]:
         out.append(f"off-policy: {who} spans {spans:.1f} trainer steps, ≥ orchestrator.max_off_policy_steps="
                    f"{bound}: such rollouts would be dropped; raise max_off_policy_steps or lower max_tokens")
     step, ckpt_s = report.orchestrator.get("step_time_s"), report.cost.get("checkpoint_write_s", 0.0)
+    slow_sync = sync_warning(report.weights, step)
+    if slow_sync:
+        out.append(slow_sync)
     if profile.scheduler == "slurm" and step is not None:
         for where, text in _time_limits(recipe):
             limit = slurm_seconds(text)

@@ -116,6 +116,9 @@ class PlanReport:
     """Off-policy lag the plan implies, against the bound."""
     calibration: str | None = None
     """The calibration file whose constants the plan used (None: the built-in ones)."""
+    weights: dict = field(default_factory=dict)
+    """Weight sync per step: bytes, the time of each transport, the chosen one's part on each side of the
+    async step (see `rlctl.recipes.plan_sync`)."""
 
     def to_json(self) -> dict:
         """Machine-readable plan; numbers are SI (seconds, tokens/s, bytes) except the *_gib memory fields."""
@@ -125,4 +128,5 @@ class PlanReport:
             "inference": self.inference, "orchestrator": self.orchestrator, "bottleneck": self.bottleneck,
             "errors": list(self.errors), "warnings": list(self.warnings), "disk": self.disk,
             "cost": self.cost, "off_policy": self.off_policy, "calibration": self.calibration,
+            "weights": self.weights,
         }

@@ -30,6 +30,9 @@ THROUGHPUT_MARKS = ("EFF", "MFU", "FLOPS", "PER_S", "SPEEDUP")
 LATENCY_SUFFIX = "_S"
 FIT_TOLERANCE = 1e-3
 FIT_ROUNDS = 12
+MIN_ROLLOUT_SHARE = 0.1
+"""Floor of the rollout-side fit target, as a fraction of the measured time: when the modelled weight
+sync alone exceeds what the run measured, the generation constants are not driven towards zero."""
 
 
 # ---- reading a finished run --------------------------------------------------------------------
@@ -167,13 +170,19 @@ def _scaled(names: dict[str, float], factor: float, gpu_kind: str) -> dict:
     return out
 
 
-def _times(recipe, profile, constants: dict) -> tuple[float, float]:
+def _planned(recipe, profile, constants: dict) -> dict:
+    """The orchestrator section of the plan with `constants` applied."""
     from rlctl.recipes.plan_compose import build_report
 
     with applied(constants):
         o = build_report(recipe, profile).orchestrator
     if o["trainer_step_time_s"] is None or o["rollout_step_time_s"] is None:
         raise RecipeError("the run's recipe does not plan on this profile (no step time to fit)", key="--calibrate")
+    return o
+
+
+def _times(recipe, profile, constants: dict) -> tuple[float, float]:
+    o = _planned(recipe, profile, constants)
     return o["trainer_step_time_s"], o["rollout_step_time_s"]
 
 
@@ -204,26 +213,31 @@ def _fit_side(recipe, profile, names: dict, index: int, target: float, base: dic
 
 def fit(recipe, profile, measured: dict, base: dict | None = None) -> tuple[dict, dict]:
     """(fitted constants, scale per side). The rollout side is fitted to the orchestrator step when the
-    run was rollout-bound (generating took longer than a trainer step: the plan's async step is then the
-    rollout step, and what the orchestrator adds per step and the weight reload pauses belong to it),
-    else to the generation time alone (the off-policy gate's wait is the trainer's pace, not inference's)
-    and the rest of the orchestrator step beyond the trainer step becomes ASYNC_STEP_SYNC_S."""
+    run was rollout-bound (generating took longer than a trainer step and its publish: the plan's async
+    step is then the rollout side, and what the orchestrator adds per step belongs to it), else to the
+    generation time alone (the off-policy gate's wait is the trainer's pace, not inference's) and the
+    rest of the orchestrator step beyond the trainer step and its modelled publish becomes
+    ASYNC_STEP_SYNC_S. Either way the modelled weight sync is taken out first: the fit attributes only
+    what the model does not already explain (the plan adds the sync back on its side)."""
     base = dict(base or {})
     sides = _sides(recipe, profile, base)
     constants, scales = {}, {}
     if sides["trainer"]:
         scales["trainer"], fitted = _fit_side(recipe, profile, sides["trainer"], 0, measured["trainer_step_time_s"], base)
         constants.update(fitted)
-    trainer_s = _times(recipe, profile, {**base, **constants})[0]
-    rollout_bound = measured["generation_time_s"] > trainer_s  # the gate rarely held the orchestrator
+    o = _planned(recipe, profile, {**base, **constants})
+    trainer_s, trainer_sync, rollout_sync = o["trainer_step_time_s"], o["weight_sync_trainer_s"], o["weight_sync_rollout_s"]
+    # the gate rarely held the orchestrator: generating (reload pauses included) outlasted the trainer's loop
+    rollout_bound = measured["generation_time_s"] > trainer_s + trainer_sync
     target = measured["orchestrator_step_time_s"] if rollout_bound else measured["generation_time_s"]
+    target = max(target - rollout_sync, MIN_ROLLOUT_SHARE * target)
     if sides["inference"]:
         scales["inference"], fitted = _fit_side(recipe, profile, sides["inference"], 1, target, {**base, **constants})
         constants.update(fitted)
     if not rollout_bound:
-        # the trainer set the pace: what its loop spends beyond the step (weight publish, reload, the
-        # gate's hand-off) is the rest of the orchestrator's step
-        sync_s = measured["orchestrator_step_time_s"] - trainer_s
+        # the trainer set the pace: what its loop spends beyond the step and the modelled publish (the
+        # gate's hand-off, round trips) is the rest of the orchestrator's step
+        sync_s = measured["orchestrator_step_time_s"] - trainer_s - trainer_sync
         if sync_s > 0:  # a calibration file holds positive numbers only
             constants["ASYNC_STEP_SYNC_S"] = sync_s
     return constants, scales

@@ -210,8 +210,8 @@ def test_idle_gpus_are_warned():
 
 
 def test_time_limit_shorter_than_a_step_and_a_checkpoint_is_warned():
-    j = planned("qwen3-4b", "-o", 'deployment.time_limit="00:00:30"')
-    assert any(w.startswith("deployment.time_limit=00:00:30 is shorter") for w in j["warnings"]), j["warnings"]
+    j = planned("qwen3-4b", "-o", 'deployment.time_limit="00:00:15"')
+    assert any(w.startswith("deployment.time_limit=00:00:15 is shorter") for w in j["warnings"]), j["warnings"]
     j = planned("qwen3-4b", "-o", 'deployment.time_limit="1-00:00:00"')
     assert not any("time_limit" in w for w in j["warnings"])
 
