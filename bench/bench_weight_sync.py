@@ -2,13 +2,15 @@
 
     python bench/bench_weight_sync.py [--size tiny|medium] [--repeats 5] [--no-reload]
 
-publish = `FilesystemWeightStore.publish` (stage dir, fsync, rename, COMPLETE marker);
+publish = `FilesystemWeightStore.publish` for one rank (its bucket as a safetensors shard, fsync, index,
+          rename, COMPLETE marker; a multi-rank trainer writes one share per rank in parallel);
 reload  = the weight watcher's reloader (`rlctl.orchestrator.weight_watcher.inference_reloader`, one
           client kept across steps as in a run) on a real vLLM server started with
           `python -m rlctl.inference`: pause → reload from the step dir → resume, tied head re-tied,
-          pause mode `keep` as the watcher uses it;
+          pause mode `keep` as the watcher uses it (the bytes each server read are printed too);
 raw     = `safetensors.torch.save_file` + `load_file` of the same state dict, same filesystem.
-Goal: (publish + reload) ≤ 1.5 × raw. Medians over `--repeats`. Prints one table.
+Goal: (publish + reload) ≤ 1.5 × raw. Medians over `--repeats`. Prints one table; also the fsync of the
+raw file, the part of the publish that makes a step durable before its marker (raw does not pay it).
 """
 from __future__ import annotations
 
@@ -37,6 +39,14 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _start_server(run, model_name: str, log: Path) -> tuple[subprocess.Popen, dict]:
@@ -86,18 +96,18 @@ def main(argv=None) -> int:
 
     from rlctl.orchestrator.exchange.layout import RunDir
     from rlctl.trainer.tiny_model import build_tiny_model, parameter_count
-    from rlctl.orchestrator.exchange.weights_fs import WEIGHTS_FILE, FilesystemWeightStore
+    from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, read_weights
 
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-", dir=args.workdir))
     run = RunDir(work / "run")
     run.create()
     model_dir = build_tiny_model(work / "model", seed=0, overrides=SIZES[args.size])
     config = json.loads((model_dir / "config.json").read_text())
-    base = load_file(model_dir / WEIGHTS_FILE)
+    base = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
     nbytes = sum(t.numel() * t.element_size() for t in base.values())
     print(f"model: {args.size}, {parameter_count(config):,} parameters, {nbytes / 2**20:.1f} MiB of weights")
 
-    raw_save, raw_load, publish, reload, reload_phases = [], [], [], [], []
+    raw_save, raw_sync, raw_load, publish, reload, reload_phases = [], [], [], [], [], []
     proc = None
     loop = asyncio.Runner()  # one event loop for every round: the reloader's HTTP client lives on it
     try:
@@ -111,8 +121,9 @@ def main(argv=None) -> int:
             state = {k: v + 1e-3 * step for k, v in base.items()}
             raw_path = work / f"raw_{step}.safetensors"
             raw_save.append(_timed(lambda: save_file(state, str(raw_path))))
+            raw_sync.append(_timed(lambda: _fsync(raw_path)))
             raw_load.append(_timed(lambda: load_file(raw_path)))
-            publish.append(_timed(lambda: FilesystemWeightStore(run.weights).publish(step, state, config)))
+            publish.append(_timed(lambda: FilesystemWeightStore(run.weights).publish_state(step, state, config)))
             step_dir = run.weights / f"step_{step}"
             if proc is not None:
                 t = time.perf_counter()
@@ -120,7 +131,7 @@ def main(argv=None) -> int:
                 reload.append(time.perf_counter() - t)
                 reload_phases.append(phases)
             else:
-                reload.append(_timed(lambda: load_file(step_dir / WEIGHTS_FILE)))
+                reload.append(_timed(lambda: read_weights(step_dir)))
     finally:
         if proc is not None:
             loop.run(close_reloader())
@@ -131,8 +142,9 @@ def main(argv=None) -> int:
     med = statistics.median
     raw_total = med([s + l for s, l in zip(raw_save, raw_load)])
     ours = med([a + b for a, b in zip(publish, reload)])
-    what = "in-place vLLM reload (pause+reload+resume)" if proc is not None else "load_file (no server: --no-reload)"
+    what = "in-place vLLM reload (pause+reload+resume)" if proc is not None else "read_weights (no server: --no-reload)"
     print(f"{'raw save_file':<45}{med(raw_save) * 1e3:9.1f} ms")
+    print(f"{'raw fsync (not in raw save + load)':<45}{med(raw_sync) * 1e3:9.1f} ms")
     print(f"{'raw load_file':<45}{med(raw_load) * 1e3:9.1f} ms")
     print(f"{'rlctl publish (stage+fsync+rename+marker)':<45}{med(publish) * 1e3:9.1f} ms")
     print(f"{what:<45}{med(reload) * 1e3:9.1f} ms")
@@ -140,9 +152,13 @@ def main(argv=None) -> int:
         for key, label in (("pause_s", "pause"), ("reload_s", "reload RPC"), ("load_s_max", "  in the worker"),
                            ("resume_s", "resume")):
             print(f"{'  ' + label:<45}{med([ph[key] for ph in reload_phases]) * 1e3:9.1f} ms")
+        read = med([ph["bytes_read_max"] for ph in reload_phases])
+        print(f"{'  bytes read per server':<45}{read / 2**20:9.1f} MiB ({read / nbytes:.2f}x the weights)")
     print(f"{'raw save + load':<45}{raw_total * 1e3:9.1f} ms")
     print(f"{'rlctl publish + reload':<45}{ours * 1e3:9.1f} ms")
     print(f"ratio (goal <= 1.5x): {ours / raw_total:.2f}x")
+    durable = med([s + y + l for s, y, l in zip(raw_save, raw_sync, raw_load)])
+    print(f"ratio vs raw save + fsync + load: {ours / durable:.2f}x")
     return 0
 
 

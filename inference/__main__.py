@@ -91,6 +91,27 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _warm_up(url: str, api_key: str, timeout_s: float) -> float | None:
+    """One tiny completion before the server is announced; returns its seconds, or None if it failed.
+
+    Why: vLLM's first request after start-up stalls (on 2 CPU cores 7–11 s: the engine polls its
+    worker several times before the first result). Taken here, the stall overlaps the trainer's own
+    start-up instead of delaying the run's first batch and therefore its first trainer step."""
+    from rlctl.inference.server import SERVED_MODEL_NAME
+
+    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": [1, 1], "max_tokens": 1, "temperature": 0.0}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=max(timeout_s, 1.0)) as resp:
+            resp.read()
+    except (urllib.error.URLError, OSError) as e:
+        print(f"rlctl.inference: warm-up request failed ({e}); announcing the server anyway", flush=True)
+        return None
+    return time.monotonic() - start
+
+
 def _fail(message: str, tail: collections.deque | None = None) -> int:
     text = f"rlctl.inference: {message}"
     if tail:
@@ -150,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     pump.start()
     url = f"http://{host}:{port}"
     try:
-        return _supervise(run, proc, url, index, host, recipe, stop, started, tail)
+        return _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key)
     finally:
         stop_process_group(proc, SERVER_STOP_S)
         pump.join(timeout=5)
@@ -159,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(private_tmp, ignore_errors=True)
 
 
-def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
+def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key) -> int:
     deadline = started + recipe.inference.startup_timeout_s
     # Progress of a server = health probes it answers; its startup is bounded by its own timeout.
     heartbeat = Heartbeat(run, f"inference.{index}", beat_interval(recipe.monitoring.stall_timeout_s))
@@ -174,13 +195,20 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail) -> int:
         if time.monotonic() > deadline:
             return _fail(f"server {index} not healthy after {recipe.inference.startup_timeout_s:.0f} s at {url}", tail)
         time.sleep(0.5)
+    healthy_s = time.monotonic() - started
+    # P/D servers answer only as a pair (a decode server waits for its prefill's KV): no lone warm-up
+    disaggregated = recipe.inference.disaggregation.enabled
+    warm_up_s = None if disaggregated else _warm_up(url, api_key, deadline - time.monotonic())
     startup_s = time.monotonic() - started
     run.announce("inference", str(index), {
         "url": url, "index": index, "pid": proc.pid, "host": host, "startup_s": round(startup_s, 2),
+        "healthy_s": round(healthy_s, 2), "warm_up_s": None if warm_up_s is None else round(warm_up_s, 2),
         # It serves the initial model; the orchestrator reloads the newest published step into it.
         "weights_step": None,
     })
-    print(f"rlctl.inference[{index}]: ready at {url} after {startup_s:.1f} s", flush=True)
+    warm = "skipped (P/D)" if disaggregated else "failed" if warm_up_s is None else f"{warm_up_s:.1f} s"
+    print(f"rlctl.inference[{index}]: ready at {url} after {startup_s:.1f} s (healthy at {healthy_s:.1f} s, "
+          f"first request {warm})", flush=True)
     done = run.done
     while True:
         if done.exists():

@@ -18,6 +18,7 @@ import httpx
 from rlctl.inference.server import SERVED_MODEL_NAME
 
 RELOAD_METHOD = "rlctl_reload"  # ReloadExtension method run on every worker via /collective_rpc
+RECEIVE_METHOD = "rlctl_receive"  # the same for the broadcast transport (weights_receiver.py)
 
 
 class InferenceError(RuntimeError):
@@ -169,6 +170,22 @@ class InferenceClient:
         slowest = max(results, key=lambda r: r["total_s"])
         return {**slowest, "workers": len(results), "rpc_s": time.perf_counter() - start}
 
+    async def receive(self, step_dir: str, servers: int) -> dict:
+        """Receive version `step_dir` over the broadcast transport on every worker of this server, which
+        joins the step's group with the workers of all `servers` servers (all called at once)."""
+        start = time.perf_counter()
+        results = await self.collective_rpc(RECEIVE_METHOD, [str(step_dir), int(servers)])
+        if not results or not all(isinstance(r, dict) for r in results):
+            raise InferenceError(f"{self.url}/collective_rpc: unexpected receive result {results!r:.300}")
+        slowest = max(results, key=lambda r: r["total_s"])
+        return {**slowest, "workers": len(results), "rpc_s": time.perf_counter() - start}
+
+    async def load(self, step_dir: str, transport: str, servers: int) -> dict:
+        """Load version `step_dir` by its transport: read it ('filesystem') or receive it ('broadcast')."""
+        if transport == "broadcast":
+            return await self.receive(step_dir, servers)
+        return await self.reload(step_dir)
+
     def _completion_body(self, prompt, max_tokens, temperature, top_p, n, cache_salt, prompt_logprobs, stop,
                          extra) -> dict:
         body = {
@@ -230,16 +247,19 @@ def announced_servers(run) -> list[InferenceClient]:
     return [InferenceClient(info["url"], token) for info in sorted(run.announced("inference"), key=lambda i: i["index"])]
 
 
-async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: str = "keep") -> dict:
+async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: str = "keep",
+                     transport: str = "filesystem") -> dict:
     """Pause every server, reload each in place from `step_dir`, resume them all (even on failure).
+    With the broadcast transport all servers receive at once: the sender waits for all of them.
 
-    Returns seconds per phase: {"pause_s", "reload_s", "resume_s", "total_s", "load_s_max", "servers"}.
+    Returns seconds per phase: {"pause_s", "reload_s", "resume_s", "total_s", "load_s_max", "servers"}, and
+    `bytes_read_max`: the most weight bytes one server's worker read (`ReloadExtension.rlctl_reload`).
     """
     t0 = time.perf_counter()
     await asyncio.gather(*(s.pause(pause_mode) for s in servers))
     t1 = time.perf_counter()
     try:
-        results = await asyncio.gather(*(s.reload(step_dir) for s in servers))
+        results = await asyncio.gather(*(s.load(step_dir, transport, len(servers)) for s in servers))
         t2 = time.perf_counter()
     finally:
         resumed = await asyncio.gather(*(s.resume() for s in servers), return_exceptions=True)
@@ -248,4 +268,5 @@ async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: 
     if failed:
         raise InferenceError("resume failed after reload: " + "; ".join(failed))
     return {"pause_s": t1 - t0, "reload_s": t2 - t1, "resume_s": t3 - t2, "total_s": t3 - t0,
-            "load_s_max": max(r["total_s"] for r in results), "servers": len(servers)}
+            "load_s_max": max(r["total_s"] for r in results), "servers": len(servers),
+            "bytes_read_max": max(r.get("bytes_read", 0) for r in results)}

@@ -19,10 +19,13 @@ each reload (tests/test_routed_experts.py checks the served model against transf
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
-MARKER = "COMPLETE"  # same marker as launchers.rundir; kept literal so workers import nothing of ours
+# kept literal (the exchange's `steps.MARKER`, `weights_fs.INDEX_FILE`) so workers import nothing of ours
+MARKER = "COMPLETE"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def _tied(config) -> bool:
@@ -74,16 +77,44 @@ def repack_cpu_moe_experts(model) -> int:
     return repacked
 
 
+def _weight_files(step_dir: Path) -> list[Path]:
+    """The safetensors files vLLM loads from `step_dir`: those its index names, else all of them
+    (the rule of vLLM's `filter_duplicate_safetensors_files`)."""
+    index = step_dir / INDEX_FILE
+    if index.exists():
+        return [step_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(step_dir.glob("*.safetensors"))
+
+
+def _storage_read_bytes() -> int | None:
+    """Bytes this process has caused to be read from storage so far (Linux), else None."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 class ReloadExtension:
     """Methods callable by name through `/collective_rpc` on every worker of the server."""
 
     def rlctl_reload(self, step_dir: str) -> dict:
-        """Load `step_dir/*.safetensors` into the running model; returns timings for the caller's metrics."""
+        """Load the step's safetensors shards into the running model; returns timings and bytes read for
+        the caller's metrics.
+
+        `bytes_read` is the size of the shard files the loader went through (vLLM's default loader
+        reads every shard in the index on every worker: a TP rank narrows each full tensor to its
+        slice only after reading it, so with TP > 1 each worker still reads the whole checkpoint);
+        `storage_read_bytes` is what this process fetched from storage meanwhile (/proc/self/io,
+        0 when the shards were still in the page cache)."""
         import torch
 
         path = Path(step_dir)
         if not (path / MARKER).exists():
             raise FileNotFoundError(f"{path} has no {MARKER} marker: refusing to load a partial step")
+        io_before = _storage_read_bytes()
         start = time.perf_counter()
         with torch.inference_mode():
             self.reload_weights(weights_path=str(path), is_checkpoint_format=True)
@@ -92,8 +123,22 @@ class ReloadExtension:
             retied = _tied(self.vllm_config.model_config.hf_config) and refresh_tied_lm_head(model)
             repacked = repack_cpu_moe_experts(model)
         done = time.perf_counter()
+        io_after = _storage_read_bytes()
         return {"step_dir": str(path), "load_s": loaded - start, "retie_s": done - loaded,
-                "total_s": done - start, "retied_lm_head": bool(retied), "repacked_moe_layers": repacked}
+                "total_s": done - start, "retied_lm_head": bool(retied), "repacked_moe_layers": repacked,
+                "bytes_read": sum(f.stat().st_size for f in _weight_files(path)),
+                "storage_read_bytes": io_after - io_before if io_before is not None and io_after is not None else None}
+
+    def rlctl_receive(self, step_dir: str, servers: int) -> dict:
+        """Receive version `step_dir` over the broadcast transport (`weights_receiver.py`); `servers`
+        is how many servers the orchestrator asked to join; returns timings like `rlctl_reload`."""
+        from rlctl.inference.weights_receiver import receive_weights
+
+        def refresh(model) -> dict:  # the same fixes as after a reload from files
+            retied = _tied(self.vllm_config.model_config.hf_config) and refresh_tied_lm_head(model)
+            return {"retied_lm_head": bool(retied), "repacked_moe_layers": repack_cpu_moe_experts(model)}
+
+        return receive_weights(self, step_dir, int(servers), refresh)
 
     def rlctl_lm_head_tied(self) -> bool:
         """Whether the LM head shares the embedding's storage (a check for tests and debugging)."""

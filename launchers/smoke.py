@@ -195,7 +195,7 @@ def _weights_publisher(run: RunDir, recipe: dict):
     keep_last = int(recipe.get("weights", {}).get("keep_last", 2))
 
     def publish(step: int) -> None:
-        store.publish(step, {"smoke.weight": torch.full((SMOKE_WEIGHTS_NUMEL,), float(step))}, {"smoke": True})
+        store.publish_state(step, {"smoke.weight": torch.full((SMOKE_WEIGHTS_NUMEL,), float(step))}, {"smoke": True})
         retain_weights(run, store, keep_last)
 
     return publish
@@ -221,7 +221,7 @@ def _smoke_weight_watcher(run: RunDir) -> int:
     read every newest complete step as a server would load it, record it, until DONE. A step that
     vanishes while it is being read is the failure retention must never cause: exit 5."""
     from rlctl.orchestrator.exchange.retention import record_serving
-    from rlctl.orchestrator.exchange.weights_fs import WEIGHTS_FILE, FilesystemWeightStore
+    from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, shard_files
 
     store = FilesystemWeightStore(run.weights)
     served = 0
@@ -232,7 +232,8 @@ def _smoke_weight_watcher(run: RunDir) -> int:
             time.sleep(0.005)
             continue
         try:
-            (store.location(newest) / WEIGHTS_FILE).read_bytes()
+            for path in shard_files(store.location(newest)):
+                path.read_bytes()
         except FileNotFoundError:
             print(f"smoke orchestrator: weights/step_{newest} vanished while being loaded", flush=True)
             return 5

@@ -1,10 +1,12 @@
 """Apply newly published weights to every inference server in flight, then bump the policy version.
 
-The trainer publishes `weights/step_N/` (marker last). When a step newer than the served version is
-complete, the watcher pauses all servers (mode `keep`: running requests freeze and continue afterwards
-under the new weights), reloads each in place, resumes them, and only then bumps the version — so a
-token is never tagged with a version newer than the weights that produced it (see `loop.py`). If
-several steps landed meanwhile, it jumps straight to the newest. Nothing is restarted.
+The trainer publishes `weights/step_N/` (marker last): the weights themselves, or with the broadcast
+transport a manifest naming where trainer rank 0 waits to send them (`exchange/weights_broadcast.py`).
+When a step newer than the served version is complete, the watcher pauses all servers (mode `keep`:
+running requests freeze and continue afterwards under the new weights), reloads each in place (or has
+all of them receive it at once), resumes them, and only then bumps the version — so a token is never
+tagged with a version newer than the weights that produced it (see `loop.py`). If several steps landed
+meanwhile, it jumps straight to the newest. Nothing is restarted.
 
 `serving(version)` records what the servers serve (the trainer's retention keeps every newer step,
 see `exchange/retention.py`): once at start, before the first look for weights, and after each
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from rlctl.orchestrator.exchange.steps import complete_steps
+from rlctl.orchestrator.exchange.weights_broadcast import is_broadcast_step, is_served
 from rlctl.orchestrator.loop import PolicyVersion
 
 Reloader = Callable[[Path], Awaitable[dict[str, Any]]]
@@ -33,7 +36,8 @@ def inference_reloader(server_urls: list[str], admin_token: str, pause_mode: str
     clients = [InferenceClient(u, admin_token) for u in server_urls]
 
     async def reload(step_dir: Path) -> dict[str, Any]:
-        return await reload_all(clients, str(step_dir), pause_mode)
+        transport = "broadcast" if is_broadcast_step(step_dir) else "filesystem"
+        return await reload_all(clients, str(step_dir), pause_mode, transport)
 
     async def close() -> None:
         await asyncio.gather(*(c.aclose() for c in clients))
@@ -52,8 +56,15 @@ class WeightWatcher:
         self.reloads: list[dict[str, Any]] = []  # one record per applied step: step, timings, when
 
     def newest_step(self) -> int | None:
+        """The newest complete step; a newer broadcast step counts only while its sender waits for the
+        servers (one left by a trainer that is gone is skipped until it is published again)."""
         steps = complete_steps(self.weights_dir)
-        return steps[-1] if steps else None
+        if not steps:
+            return None
+        newest = self.weights_dir / f"step_{steps[-1]}"
+        if steps[-1] > self.policy.version and is_broadcast_step(newest) and not is_served(newest):
+            return None
+        return steps[-1]
 
     async def apply(self, step: int) -> dict[str, Any]:
         start = time.perf_counter()

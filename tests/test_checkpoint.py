@@ -6,12 +6,11 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rlctl.orchestrator.exchange.steps import MARKER
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.checkpoint import complete_checkpoints, prune, resolve_resume_step, trainer_part
-from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
+from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, read_weights
 
 from trainer_fixtures import launch_ranks, make_run, synthetic_batch, trainer_metrics, wait_all, write_batches
 
@@ -67,20 +66,21 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path):
     for step in range(3, total):
         write_batches(resumed, batches[step], [step])
     # a policy the abandoned attempt had published beyond the checkpoint must not survive the rewind
-    stale = {k: v + 1 for k, v in load_file(full.weights / "step_4" / "model.safetensors").items()}
-    FilesystemWeightStore(resumed.weights).publish(4, stale, json.loads((full.weights / "step_4" / "config.json").read_text()))
+    stale = {k: v + 1 for k, v in read_weights(full.weights / "step_4").items()}
+    FilesystemWeightStore(resumed.weights).publish_state(
+        4, stale, json.loads((full.weights / "step_4" / "config.json").read_text()))
     codes = wait_all(launch_ranks(resumed, 2, {"RLCTL_RESUME_STEP": "latest"}))
     assert codes == [0, 0], (resumed.root / "trainer_rank0.log").read_text()[-3000:]
 
     assert [m["step"] for m in trainer_metrics(resumed)] == [3]
-    expected = load_file(full.weights / f"step_{total}" / "model.safetensors")
-    got = load_file(resumed.weights / f"step_{total}" / "model.safetensors")
+    expected = read_weights(full.weights / f"step_{total}")
+    got = read_weights(resumed.weights / f"step_{total}")
     # the optimizer moments were restored too: without them Adam's 4th step would differ
     for name in expected:
         assert torch.allclose(got[name], expected[name], atol=1e-6), name
     # the resumed trainer first published the policy it restored (step_3), identical to the original
-    before = load_file(full.weights / "step_3" / "model.safetensors")
-    restored = load_file(resumed.weights / "step_3" / "model.safetensors")
+    before = read_weights(full.weights / "step_3")
+    restored = read_weights(resumed.weights / "step_3")
     assert all(torch.equal(before[k], restored[k]) for k in before)
 
 

@@ -118,7 +118,7 @@ def preemptions(url: str) -> float:
 def test_reload_in_flight_matches_transformers_with_new_weights(server):
     from safetensors.torch import load_file
 
-    from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore
+    from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, hf_state_dict, shard_files
     from rlctl.trainer.weights import load_config
 
     run, info, token, proc = server
@@ -129,7 +129,12 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
     state = load_file(str(run.model / "model.safetensors"))
     gen = torch.Generator().manual_seed(7)
     new = {k: v + (0.5 if "embed_tokens" in k else 0.05) * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    step_dir = FilesystemWeightStore(run.weights).publish(1, new, load_config(run.model))
+    # published as two ranks would: two shards + the index, so the server loads a sharded directory
+    config = load_config(run.model)
+    names = sorted(hf_state_dict(new, config))
+    halves = [{k: new[k].contiguous() for k in names[i::2]} for i in range(2)]
+    step_dir = FilesystemWeightStore(run.weights).publish(1, config, halves)
+    assert len(shard_files(step_dir)) == 2
     expected = transformers_prompt_logprobs(run.model, new)
     assert max_diff(expected, before) > 0.1  # the check below can tell old weights from new ones
 
@@ -148,6 +153,8 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
     timing, results = asyncio.run(reload_with_requests_in_flight(64))
     print(f"\n[measure] pause→reload→resume with 64 requests in flight: {timing}")
     assert all(len(parse_samples(r)[0].token_ids) == 32 for r in results)  # none lost to the pause
+    # TP = 1: the server needs every tensor, so it reads every shard, once
+    assert timing["bytes_read_max"] == sum(f.stat().st_size for f in shard_files(step_dir))
     # kept, not preempted: the frozen requests continued from their KV instead of re-prefilling it
     assert preemptions(info["url"]) == preempted
     after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)

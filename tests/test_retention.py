@@ -22,7 +22,7 @@ from rlctl.orchestrator.exchange.retention import (prune_checkpoints, record_ser
                                                    retain_weights, serving_path, sweep_for_rewind,
                                                    sweep_orchestrator_staging, sweep_trainer_staging)
 from rlctl.orchestrator.exchange.steps import MARKER, complete_steps, publish_step
-from rlctl.orchestrator.exchange.weights_fs import WEIGHTS_FILE, FilesystemWeightStore
+from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, shard_files
 from rlctl.orchestrator.loop import PolicyVersion
 from rlctl.orchestrator.weight_watcher import WeightWatcher
 
@@ -36,7 +36,7 @@ def run(tmp_path, monkeypatch) -> RunDir:
 
 
 def publish(store: FilesystemWeightStore, step: int) -> None:
-    store.publish(step, {"w": torch.full((4,), float(step))}, {"test": True})
+    store.publish_state(step, {"w": torch.full((4,), float(step))}, {"test": True})
 
 
 def on_disk(folder: Path) -> list[str]:
@@ -90,7 +90,7 @@ def test_a_loading_server_never_loses_its_step_and_the_disk_stays_bounded(run, k
                 time.sleep(0.0005)
                 continue
             try:
-                with open(store.location(newest) / WEIGHTS_FILE, "rb") as f:
+                with open(shard_files(store.location(newest))[0], "rb") as f:
                     time.sleep(rng.random() * 0.004)  # a slow load, files open
                     f.read()
                 assert (store.location(newest) / MARKER).exists()

@@ -335,7 +335,10 @@ def test_reloaded_moe_weights_match_transformers(moe_server):
         state.update(load_file(str(f)))
     gen = torch.Generator().manual_seed(11)
     new = {k: v + 0.5 * v.std().clamp(min=0.02) * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    step_dir = FilesystemWeightStore(run.weights).publish(1, new, load_config(run.model))
+    config = load_config(run.model)
+    names = sorted(new)
+    thirds = [{k: new[k].contiguous() for k in names[i::3]} for i in range(3)]  # three ranks' shards
+    step_dir = FilesystemWeightStore(run.weights).publish(1, config, thirds)
 
     async def reload():
         async with InferenceClient(info["url"], run.admin_token()) as client:

@@ -218,8 +218,9 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
+    from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, read_weights, shard_files
     from rlctl.trainer.sharded_load import build_meta_model, checkpoint_name, materialize_and_load
-    from rlctl.trainer.weights import gather_full_state_dict
+    from rlctl.trainer.weights import ProcessGroupRanks, publish_buckets
 
     _init(rank, world, port)
     try:
@@ -238,16 +239,19 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
         ids = torch.randint(0, ref.config.vocab_size, (2, 10))
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
-        published = gather_full_state_dict(model)  # the publish path: back to the checkpoint's names
+        # the publish path, back to the checkpoint's names: every rank writes whole tensors of its own
+        # (small buckets: several shards per rank), rank 0 seals; nothing is gathered on one rank
+        store = FilesystemWeightStore(Path(model_dir).parent / "published")
+        group = ProcessGroupRanks()
+        step_dir = store.publish(1, model.config.to_dict(), publish_buckets(
+            model, model.config.to_dict(), torch.float32, group.rank, group.world, bucket_bytes=4096), group)
+        dist.barrier()  # rank 0 has sealed
         if rank == 0:
-            stored = _checkpoint_tensors(Path(model_dir))
-            if model.config.tie_word_embeddings:
-                published.pop("lm_head.weight")
+            stored, published = _checkpoint_tensors(Path(model_dir)), read_weights(step_dir)
+            assert len(shard_files(step_dir)) >= world
             assert published.keys() == stored.keys(), published.keys() ^ stored.keys()
             for name, tensor in stored.items():
                 assert torch.equal(published[name], tensor), name
-        else:
-            assert published == {}
     finally:
         dist.destroy_process_group()
 
@@ -257,8 +261,8 @@ def test_two_ranks_load_exactly_what_from_pretrained_loads(tmp_path, case):
     """dense Qwen3 from a sharded checkpoint (index.json); Qwen3-MoE fused experts FSDP-sharded by
     expert; Qwen3-MoE and DeepSeek-V3 (shared experts, a dense first layer, the router's persistent
     correction bias, an untied lm_head) with experts Shard(0) over a 2-rank `ep` mesh first (2-D
-    placements). Publishing
-    (`gather_full_state_dict`) gives back the checkpoint's tensors under its names."""
+    placements). Publishing (each rank its share of whole tensors, `publish_buckets`) gives back the
+    checkpoint's tensors under its names."""
     cfg = {"dense": TINY_QWEN3, "qwen3_moe": SMALL_MOE, "deepseek_v3": DEEPSEEK_V3}[case.split("-")[0]]
     out = _save_checkpoint(_random_model(cfg, seed=1), cfg, tmp_path / "ckpt", 3 if case == "dense-index" else 1)
     spawn_ranks(_equivalence_rank, 2, str(out), "ep" if case.endswith("ep2") else "fsdp")

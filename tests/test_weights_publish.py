@@ -9,11 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from rlctl.orchestrator.exchange.steps import MARKER, complete_steps
-from rlctl.orchestrator.exchange.weights_fs import CONFIG_FILE, WEIGHTS_FILE, FilesystemWeightStore, hf_state_dict
+from rlctl.orchestrator.exchange.weights_fs import (CONFIG_FILE, INDEX_FILE, FilesystemWeightStore, hf_state_dict,
+                                                    read_weights)
+
+SHARD = "model-00001-of-00001.safetensors"  # one process, one bucket: one shard
 
 
 def publish_weights(folder, step, state, config):
-    return FilesystemWeightStore(folder).publish(step, state, config)
+    return FilesystemWeightStore(folder).publish_state(step, state, config)
 
 
 def latest_complete(folder):
@@ -38,8 +41,8 @@ def _state(step: int, numel: int = 1 << 20) -> dict:
 def test_publish_layout_drops_tied_head_and_keeps_it_untied(tmp_path):
     final = publish_weights(tmp_path, 3, _state(3, 1024), CONFIG)
     assert final == tmp_path / "step_3"
-    assert sorted(os.listdir(final)) == sorted([WEIGHTS_FILE, CONFIG_FILE, MARKER])
-    loaded = load_file(final / WEIGHTS_FILE)
+    assert sorted(os.listdir(final)) == sorted([SHARD, INDEX_FILE, CONFIG_FILE, MARKER])
+    loaded = load_file(final / SHARD)
     assert set(loaded) == {"model.embed_tokens.weight", "model.norm.weight"}
     assert (loaded["model.norm.weight"] == 3).all()
     untied = hf_state_dict(_state(1, 1024), {"tie_word_embeddings": False})
@@ -50,14 +53,14 @@ def test_publish_layout_drops_tied_head_and_keeps_it_untied(tmp_path):
 def test_republishing_a_complete_step_is_a_noop_and_leftovers_are_replaced(tmp_path):
     publish_weights(tmp_path, 1, _state(1, 1024), CONFIG)
     publish_weights(tmp_path, 1, _state(9, 1024), CONFIG)
-    assert (load_file(tmp_path / "step_1" / WEIGHTS_FILE)["model.norm.weight"] == 1).all()
+    assert (read_weights(tmp_path / "step_1")["model.norm.weight"] == 1).all()
     crashed = tmp_path / "step_2"
     crashed.mkdir()
-    (crashed / WEIGHTS_FILE).write_bytes(b"torn")
+    (crashed / SHARD).write_bytes(b"torn")
     assert latest_complete(tmp_path) == 1
     publish_weights(tmp_path, 2, _state(2, 1024), CONFIG)
     assert latest_complete(tmp_path) == 2
-    assert (load_file(crashed / WEIGHTS_FILE)["model.norm.weight"] == 2).all()
+    assert (load_file(crashed / SHARD)["model.norm.weight"] == 2).all()
 
 
 def test_discard_after_removes_only_newer_steps(tmp_path):
@@ -90,7 +93,7 @@ def test_reader_racing_the_writer_never_sees_a_partial_step(tmp_path):
             for step in complete_steps(tmp_path):
                 if step in checked:
                     continue
-                loaded = load_file(tmp_path / f"step_{step}" / WEIGHTS_FILE)
+                loaded = read_weights(tmp_path / f"step_{step}")
                 assert set(loaded) == {"model.embed_tokens.weight", "model.norm.weight"}
                 for tensor in loaded.values():
                     assert (tensor == step).all(), f"step {step} holds another step's bytes"
@@ -99,7 +102,7 @@ def test_reader_racing_the_writer_never_sees_a_partial_step(tmp_path):
             # every step directory that is visible under its final name has all its files already
             for child in tmp_path.glob("step_*"):
                 names = {n for n in os.listdir(child) if n != MARKER and not n.startswith(f".{MARKER}.")}
-                assert names == {WEIGHTS_FILE, CONFIG_FILE}, f"{child.name} visible while partial: {names}"
+                assert names == {SHARD, INDEX_FILE, CONFIG_FILE}, f"{child.name} visible while partial: {names}"
     finally:
         proc.join(timeout=60)
     assert proc.exitcode == 0

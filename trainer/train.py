@@ -85,6 +85,10 @@ class Trainer:
             moe=self.is_moe, router_replay=self.cfg.router_replay,
         )
         self.weight_store = FilesystemWeightStore(run.weights)
+        if recipe.weights.transport == "broadcast":
+            from rlctl.trainer.weights_broadcast import broadcast_store
+
+            self.weight_store = broadcast_store(run, recipe, self.device, self.term)
         self.batches = FilesystemBatchReader(run.rollouts)
         self.max_steps = recipe.orchestrator.max_steps
         self.start_step = 0
@@ -110,14 +114,19 @@ class Trainer:
 
     # ---- weights -------------------------------------------------------------------------
     def publish(self, step: int) -> float:
-        """Collective: gather the full weights and publish them as `weights/step_N` (rank 0 writes, then
-        deletes the published steps retention lets go). Returns the seconds the publishing took."""
-        from rlctl.trainer.weights import gather_full_state_dict
+        """Collective: every rank writes its share of the full weights, in the serving dtype, as
+        `weights/step_N` (no rank gathers the whole model); rank 0 then deletes the published steps
+        retention lets go. Returns the seconds the publishing took."""
+        if self.recipe.weights.transport == "broadcast":  # rank 0 sends straight to the inference workers
+            from rlctl.trainer.weights_broadcast import publish_broadcast
+
+            return publish_broadcast(self, step)
+        from rlctl.trainer.weights import ProcessGroupRanks, publish_buckets, serving_dtype
 
         t0 = time.perf_counter()
-        state = gather_full_state_dict(self.model)
-        if self.rank == 0:
-            self.weight_store.publish(step, state, self.hf_config)
+        group = ProcessGroupRanks()
+        buckets = publish_buckets(self.model, self.hf_config, serving_dtype(self.recipe), group.rank, group.world)
+        self.weight_store.publish(step, self.hf_config, buckets, group)
         elapsed = time.perf_counter() - t0
         if self.rank == 0:
             retain_weights(self.run, self.weight_store, self.recipe.weights.keep_last)

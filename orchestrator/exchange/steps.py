@@ -39,12 +39,13 @@ def stage_dir(parent: Path, name: str) -> Path:
     return stage
 
 
-def seal(stage: Path, final: Path, marker: dict, sync_metadata: bool = True) -> Path:
+def seal(stage: Path, final: Path, marker: dict, sync_metadata: bool = True, fsync_files: bool = True) -> Path:
     """Make a fully written staging directory visible: fsync its files, rename it, marker last.
 
     `sync_metadata=False` skips syncing the rename and the marker: for data that is cheap to
-    republish (weights), losing those in a crash merely hides the step."""
-    for child in stage.iterdir():
+    republish (weights), losing those in a crash merely hides the step. `fsync_files=False` is for
+    writers that synced their own files (several processes writing one directory)."""
+    for child in stage.iterdir() if fsync_files else ():
         if child.is_file():
             fsync_path(child)
     fsync_path(stage)

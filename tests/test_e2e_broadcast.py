@@ -1,0 +1,62 @@
+"""`rlctl launch recipes/tiny-cpu.toml -o weights.transport=broadcast --wait`: the README demo with the
+weights sent from trainer rank 0 straight to the vLLM worker over a gloo group formed per step instead
+of safetensors on the filesystem. One run, shared by every check of this module."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+from e2e_checks import RLCTL, TINY, assert_contract_keys, learning_report, leftover_processes, metrics, monitor_json
+
+pytestmark = pytest.mark.slow
+MAX_STEPS = 80
+
+
+@pytest.fixture(scope="module")
+def broadcast_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("broadcast")
+    t0 = time.monotonic()
+    out = subprocess.run([*RLCTL, "launch", TINY, "--name", "bcast", "-o", f"deployment.output_dir={root}",
+                          "-o", "weights.transport=broadcast", "--wait"], capture_output=True, text=True, timeout=900)
+    return SimpleNamespace(run=root / "bcast", out=out, took=time.monotonic() - t0)
+
+
+def test_learns_like_the_filesystem_transport(broadcast_run):
+    out, run = broadcast_run.out, broadcast_run.run
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    trainer, orch = metrics(run)
+    assert_contract_keys(trainer, orch)
+    assert [r["step"] for r in trainer] == list(range(MAX_STEPS)) == [r["step"] for r in orch]
+    rewards = [r["reward_mean"] for r in orch]
+    assert rewards[0] < 0.2, rewards[:5]
+    assert sum(rewards[-5:]) / 5 >= 0.8, f"reward did not end >= 0.8:\n{learning_report(trainer, orch)}"
+    assert monitor_json(run)["state"] == "completed"
+    publish = sorted(r["weight_publish_s"] for r in trainer)
+    reload = sorted(r["weight_reload_s"] for r in orch if r["weight_reload_s"])
+    print(f"tiny-cpu broadcast: {broadcast_run.took:.0f}s wall, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}, "
+          f"median publish {publish[len(publish) // 2]:.3f}s, median reload {reload[len(reload) // 2]:.3f}s")
+
+
+def test_steps_hold_a_manifest_and_no_tensor_files(broadcast_run):
+    weights = broadcast_run.run / "weights"
+    steps = sorted(weights.glob("step_*"), key=lambda p: int(p.name[5:]))
+    assert steps and steps[-1].name == f"step_{MAX_STEPS}" and len(steps) <= 3  # retention as with files
+    for step in steps:
+        assert sorted(p.name for p in step.iterdir()) == ["COMPLETE", "broadcast.json", "config.json"]
+    assert json.loads((steps[-1] / "broadcast.json").read_text())["serving"] is True
+
+
+def test_every_step_was_broadcast_to_the_worker(broadcast_run):
+    logs = "\n".join(p.read_text(errors="replace")
+                     for p in (broadcast_run.run / "logs").glob("attempt_*/**/trainer*.log"))
+    sent = [line for line in logs.splitlines() if "broadcast to 1 worker(s)" in line]
+    assert len(sent) == MAX_STEPS, logs[-3000:]
+    assert "not broadcast" not in logs
+
+
+def test_leaves_nothing_behind(broadcast_run):
+    assert (broadcast_run.run / "DONE").exists()
+    assert leftover_processes(broadcast_run.run) == []
