@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,35 +62,46 @@ def first_trainer_step(root: Path) -> dict | None:
     return None
 
 
+def launch_and_watch(root: Path, args) -> tuple[Watcher, dict | None, int]:
+    watcher = Watcher(root)
+    watcher.start()
+    overrides = [f"orchestrator.max_steps={args.steps}", f"deployment.output_dir={root}", *args.override]
+    cmd = [sys.executable, "-m", "rlctl.cli.main", "launch", args.recipe, "--wait"]
+    for o in overrides:
+        cmd += ["-o", o]
+    watcher.launched = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    watcher.stop.set()
+    watcher.join()
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+    return watcher, first_trainer_step(root), proc.returncode
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-cpu.toml"))
     parser.add_argument("-o", "--override", action="append", default=[])
+    parser.add_argument("--keep", action="store_true", help="keep the run directory (its path is printed)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="rlctl-startup-") as tmp:
-        root = Path(tmp) / "runs"
-        watcher = Watcher(root)
-        watcher.start()
-        start = time.time()
-        overrides = [f"orchestrator.max_steps={args.steps}", f"deployment.output_dir={root}", *args.override]
-        cmd = [sys.executable, "-m", "rlctl.cli.main", "launch", args.recipe, "--wait"]
-        for o in overrides:
-            cmd += ["-o", o]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        watcher.stop.set()
-        watcher.join()
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
-            return proc.returncode
-        record = first_trainer_step(root)
+    tmp = tempfile.mkdtemp(prefix="rlctl-startup-")
+    try:
+        watcher, record, rc = launch_and_watch(Path(tmp) / "runs", args)
+    finally:
+        if args.keep:
+            print(f"run directory kept under {tmp}/runs")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if rc != 0:
+        return rc
     events = dict(watcher.seen)
     if record is not None:
         took = record["trainer_step_time_s"] + record.get("weight_publish_s", 0.0)
         events["first trainer step starts"] = record["time"] - took
     print(f"{'event':32} {'s after launch':>15}")
     for name, t in sorted(events.items(), key=lambda kv: kv[1]):
-        print(f"{name:32} {t - start:15.2f}")
+        print(f"{name:32} {t - watcher.launched:15.2f}")
     ann = watcher.announcement or {}
     print(f"server: healthy after {ann.get('healthy_s')} s, warm-up request {ann.get('warm_up_s')} s, "
           f"announced after {ann.get('startup_s')} s of its own start")

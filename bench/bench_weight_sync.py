@@ -49,11 +49,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _start_server(run, model_name: str, log: Path) -> tuple[subprocess.Popen, dict]:
+def _start_server(run, model_name: str, log: Path, overrides=()) -> tuple[subprocess.Popen, dict]:
     from rlctl.orchestrator.exchange.files import atomic_write_json
     from rlctl.recipes.load import load_recipe
 
-    recipe = load_recipe(["tiny-cpu"], [f"model.name={json.dumps(model_name)}"])
+    recipe = load_recipe(["tiny-cpu"], [f"model.name={json.dumps(model_name)}", *overrides])
     atomic_write_json(run.recipe_json, recipe.model_dump(mode="json"))
     run.admin_token(create=True)
     run.api_key(create=True)

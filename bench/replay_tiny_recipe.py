@@ -45,8 +45,13 @@ def replay(seed: int, recipe_path: str, overrides: list[str], model_dir: str) ->
     recipe = load_recipe([recipe_path], overrides)
     o, opt_cfg, loss_cfg = recipe.orchestrator, recipe.trainer.optimizer, recipe.trainer.loss
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if recipe.trainer.lora.enabled:  # the trainer's own adapters: only they train
+        from rlctl.trainer.lora import apply_lora, init_adapters
+
+        apply_lora(model, recipe.trainer.lora)
+        init_adapters(model, seed=0)
     sampler = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
                                   weight_decay=opt_cfg.weight_decay)
     scheduler = build_scheduler(optimizer, opt_cfg, o.max_steps)
     env = load_environment(o.environment.name, o.environment.args)

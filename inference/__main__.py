@@ -35,6 +35,7 @@ LOG_TAIL_LINES = 40
 # TERM → KILL bound for the server's process group; shorter than the launchers' own bound for this
 # process (launchers/local.py KILL_AFTER_S), so the server is gone before anyone kills us.
 SERVER_STOP_S = 8.0
+WARM_UP_MAX_N = 16  # completions in the warm-up request: a group's worth, as the first real batch sends
 
 
 def _placement(run: RunDir) -> Placement:
@@ -91,7 +92,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _warm_up(url: str, api_key: str, timeout_s: float) -> float | None:
+def _warm_up(url: str, api_key: str, group_size: int, timeout_s: float) -> float | None:
     """One tiny completion before the server is announced; returns its seconds, or None if it failed.
 
     Why: vLLM's first request after start-up stalls (on 2 CPU cores 7–11 s: the engine polls its
@@ -99,7 +100,11 @@ def _warm_up(url: str, api_key: str, timeout_s: float) -> float | None:
     start-up instead of delaying the run's first batch and therefore its first trainer step."""
     from rlctl.inference.server import SERVED_MODEL_NAME
 
-    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": [1, 1], "max_tokens": 1, "temperature": 0.0}).encode()
+    # shaped like the orchestrator's requests: the stall is in the first sampled request with logprobs
+    # (a greedy request without them is answered in 0.03 s and leaves it to the first real batch)
+    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": [1, 1], "max_tokens": 2, "temperature": 1.0,
+                       "n": max(1, min(group_size, WARM_UP_MAX_N)),
+                       "logprobs": 0, "return_token_ids": True}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
     start = time.monotonic()
@@ -146,8 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             dp = data_parallel(recipe, placement)
             dp_master = _dp_master(run, host, index, dp, recipe.inference.startup_timeout_s)
         port = free_port(host)
+        initial_adapter = None
+        if recipe.trainer.lora.enabled:  # served until the trainer's first adapter is swapped in
+            from rlctl.inference.lora_serving import write_zero_adapter
+
+            initial_adapter = write_zero_adapter(model_dir, recipe.trainer.lora, run.root / "cache" / f"lora_zero_{index}")
         cmd = render_server_command(recipe, placement, target, model_dir=model_dir, host=host, port=port,
-                                    server_index=index, dp_master=dp_master)
+                                    server_index=index, dp_master=dp_master, initial_adapter=initial_adapter)
     except (RecipeError, FileNotFoundError, RuntimeError, ValueError) as e:
         return _fail(str(e))
     env = {**os.environ, **server_env(recipe, target, run.root, admin_token, api_key)}
@@ -198,7 +208,8 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key
     healthy_s = time.monotonic() - started
     # P/D servers answer only as a pair (a decode server waits for its prefill's KV): no lone warm-up
     disaggregated = recipe.inference.disaggregation.enabled
-    warm_up_s = None if disaggregated else _warm_up(url, api_key, deadline - time.monotonic())
+    warm_up_s = None if disaggregated else _warm_up(url, api_key, recipe.orchestrator.group_size,
+                                                         deadline - time.monotonic())
     startup_s = time.monotonic() - started
     run.announce("inference", str(index), {
         "url": url, "index": index, "pid": proc.pid, "host": host, "startup_s": round(startup_s, 2),

@@ -24,6 +24,8 @@ API_KEY_ENV = "RLCTL_API_KEY"
 # Probes that load balancers and the router call without credentials; they reveal nothing.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 OPENAI_PREFIX = "/v1/"
+# Under /v1 but they change what the server serves (LoRA adapter swaps): the admin token only.
+ADMIN_ONLY_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def _digest(secret: str) -> bytes:
@@ -67,7 +69,7 @@ class AdminAuthMiddleware:
         # Both comparisons always run: timing does not tell which key a guess was close to.
         admin = hmac.compare_digest(digest, self._admin)
         api = hmac.compare_digest(digest, self._api)
-        return admin or (api and is_openai_route(path))
+        return admin or (api and is_openai_route(path) and path.rstrip("/") not in ADMIN_ONLY_ROUTES)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":

@@ -180,8 +180,21 @@ class InferenceClient:
         slowest = max(results, key=lambda r: r["total_s"])
         return {**slowest, "workers": len(results), "rpc_s": time.perf_counter() - start}
 
+    async def swap_adapter(self, step_dir: str) -> dict:
+        """A LoRA run's update: load the PEFT adapter in `step_dir` in place under the served name."""
+        from rlctl.inference.lora_serving import LOAD_ROUTE
+
+        start = time.perf_counter()
+        await self._request("POST", LOAD_ROUTE, json={"lora_name": SERVED_MODEL_NAME, "lora_path": str(step_dir),
+                                                      "load_inplace": True})
+        took = time.perf_counter() - start
+        return {"total_s": took, "rpc_s": took, "workers": 1}
+
     async def load(self, step_dir: str, transport: str, servers: int) -> dict:
-        """Load version `step_dir` by its transport: read it ('filesystem') or receive it ('broadcast')."""
+        """Load version `step_dir` by its transport: read it ('filesystem'), receive it ('broadcast') or
+        swap in its adapter ('lora')."""
+        if transport == "lora":
+            return await self.swap_adapter(step_dir)
         if transport == "broadcast":
             return await self.receive(step_dir, servers)
         return await self.reload(step_dir)

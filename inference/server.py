@@ -171,11 +171,13 @@ def render_server_command(
     dp_master: tuple[str, int] | None = None,
     python: str = sys.executable,
     has_module: Callable[[str], bool] = _module_available,
+    initial_adapter: str | Path | None = None,
 ) -> list[str]:
     """The full argv of one vLLM server. Never contains the run's keys (see `server_env`).
 
     `dp_master` (host, rpc port) of the DP group's rank 0 is needed only for GPU expert parallelism
-    with a DP group larger than one server.
+    with a DP group larger than one server. With LoRA (`trainer.lora.rank` > 0) the base is served as
+    `policy-base` and `initial_adapter` (a zero adapter, `lora_serving.write_zero_adapter`) as `policy`.
     """
     validate_features(recipe, target, has_module)
     inf = recipe.inference
@@ -193,6 +195,13 @@ def render_server_command(
         "--worker-extension-cls", WORKER_EXTENSION,
         "--middleware", AUTH_MIDDLEWARE,
     ]
+    if recipe.trainer.lora.enabled:
+        from rlctl.inference.lora_serving import BASE_SUFFIX, lora_server_args
+
+        if initial_adapter is None:
+            raise ValueError("a LoRA run's server needs initial_adapter (the zero adapter's directory)")
+        cmd[cmd.index("--served-model-name") + 1] = SERVED_MODEL_NAME + BASE_SUFFIX
+        cmd += lora_server_args(recipe.trainer.lora, SERVED_MODEL_NAME, initial_adapter)
     if inf.enforce_eager:
         cmd.append("--enforce-eager")
     if recipe.trainer.router_replay:  # the experts each token was routed to come back with the completion
@@ -237,6 +246,8 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
         # this long for its engine: never longer than the recipe lets a server start.
         "VLLM_ENGINE_READY_TIMEOUT_S": str(max(1, math.ceil(recipe.inference.startup_timeout_s))),
     }
+    if recipe.trainer.lora.enabled:  # /v1/load_lora_adapter swaps the policy (admin token only, auth.py)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if recipe.trainer.router_replay:  # vLLM returns routed experts only from Model Runner V2
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if target == "cpu":

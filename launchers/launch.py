@@ -133,7 +133,7 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
     check_dataset(recipe.orchestrator)  # bad paths or columns fail here (exit 2); paths travel absolute
     from rlctl.trainer.lora_config import check_launchable
 
-    check_launchable(recipe.trainer.lora)
+    check_launchable(recipe)
     placement = compute_placement(recipe, profile)
     if profile.scheduler == "slurm" and placement.orchestrator == "cpu_partition" and not profile.partitions.cpu:
         raise RecipeError("orchestrator_placement is 'cpu_partition' but the profile has no cpu partition",

@@ -32,11 +32,13 @@ def inference_reloader(server_urls: list[str], admin_token: str, pause_mode: str
     `server_urls` are the servers' own URLs as they announced them: the admin token goes there and
     never through the router (a worker slipped into the router would receive it)."""
     from rlctl.inference.client import InferenceClient, reload_all
+    from rlctl.inference.lora_serving import is_adapter_step
 
     clients = [InferenceClient(u, admin_token) for u in server_urls]
 
     async def reload(step_dir: Path) -> dict[str, Any]:
-        transport = "broadcast" if is_broadcast_step(step_dir) else "filesystem"
+        transport = ("broadcast" if is_broadcast_step(step_dir) else "lora" if is_adapter_step(step_dir)
+                     else "filesystem")
         return await reload_all(clients, str(step_dir), pause_mode, transport)
 
     async def close() -> None:

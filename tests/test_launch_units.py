@@ -194,12 +194,16 @@ def test_a_model_directory_relative_to_the_launch_directory_travels_absolute(tmp
     assert load_for_launch(["tiny-cpu"])[0].model.name == "tiny-qwen3"  # catalog names stay names
 
 
-def test_lora_is_refused_at_launch_until_the_trainer_trains_adapters():
-    """Planned, not trained: launching would silently train every weight, so the key is refused."""
+def test_lora_launches_but_refuses_the_broadcast_transport_and_fp8():
+    """LoRA runs launch; adapters travel as PEFT files, so the broadcast transport is refused by its key."""
     from rlctl.launchers.launch import load_for_launch
     from rlctl.recipes.errors import RecipeError
 
+    assert load_for_launch(["tiny-cpu"], ["trainer.lora.rank=8"])[0].trainer.lora.rank == 8
     with pytest.raises(RecipeError) as err:
-        load_for_launch(["tiny-cpu"], ["trainer.lora.rank=8"])
-    assert err.value.key == "trainer.lora.rank"
+        load_for_launch(["tiny-cpu"], ["trainer.lora.rank=8", "weights.transport=broadcast"])
+    assert err.value.key == "weights.transport"
+    with pytest.raises(RecipeError) as err:
+        load_for_launch(["tiny-cpu"], ["trainer.lora.rank=8", "trainer.fp8=true"])
+    assert err.value.key == "trainer.fp8"
     assert load_for_launch(["tiny-cpu"], ["trainer.lora.rank=0"])[0].trainer.lora.rank == 0

@@ -118,10 +118,20 @@ def build_parallel_model(config_or_dir, dims, mesh, device, trainer_cfg, *, load
     if dims.cp > 1:
         enable_ulysses(model, mesh["cp"])
     apply_fp8(model, trainer_cfg, device)
+    lora = getattr(trainer_cfg, "lora", None)
+    if lora is not None and lora.enabled:  # adapters exist before FSDP so it shards them with their layer
+        from rlctl.trainer.lora import apply_lora, check_lora_supported
+
+        check_lora_supported(config, trainer_cfg)
+        apply_lora(model, lora)
     _shard(model, mesh, dims, trainer_cfg)
     if load_from is not None:
         sharded = _optional("rlctl.trainer.sharded_load")
         if sharded is None:
             raise RuntimeError("loading into a meta-device model needs rlctl.trainer.sharded_load")
         sharded.materialize_and_load(model, Path(load_from), device)
+        if lora is not None and lora.enabled:
+            from rlctl.trainer.lora import init_adapters
+
+            init_adapters(model, seed=0)  # the same draws on every rank; B = 0 so the step-0 policy is the base
     return model.train()

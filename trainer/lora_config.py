@@ -26,11 +26,18 @@ class LoRAConfig(StrictModel):
         return self.rank > 0
 
 
-def check_launchable(lora: LoRAConfig) -> None:
-    """`rlctl plan` sizes LoRA runs, the trainer does not train adapters yet: refuse at launch rather than
-    silently train every weight."""
-    if lora.enabled:
-        from rlctl.recipes.errors import RecipeError
+def check_launchable(recipe) -> None:
+    """Refuse at launch what the LoRA trainer does not do (one line naming the key): adapters travel as
+    PEFT files, so not over the broadcast transport; no FP8 base layers; dense models only (grouped
+    experts have no per-expert Linear to adapt)."""
+    lora = recipe.trainer.lora
+    if not lora.enabled:
+        return
+    from rlctl.recipes.errors import RecipeError
 
-        raise RecipeError(f"rank={lora.rank}: LoRA is planned by `rlctl plan` but the trainer does not train adapters "
-                          "yet (allowed at launch: 0, full fine-tuning)", key="trainer.lora.rank")
+    if recipe.weights.transport == "broadcast":
+        raise RecipeError("transport='broadcast' with trainer.lora.rank > 0: LoRA adapters are published as "
+                          "files (allowed with LoRA: 'filesystem')", key="weights.transport")
+    if recipe.trainer.fp8:
+        raise RecipeError("fp8=true with trainer.lora.rank > 0: LoRA trains over bf16/fp32 base layers "
+                          "(allowed with LoRA: false)", key="trainer.fp8")

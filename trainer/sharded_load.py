@@ -192,8 +192,8 @@ def materialize_and_load(model, model_dir, device) -> None:
     non_persistent = {id(m._buffers[n]) for m, n in owners}
     missing = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if id(tensor) in non_persistent:
-            continue
+        if id(tensor) in non_persistent or ".lora_A." in name or ".lora_B." in name:
+            continue  # LoRA adapters are not in the HF files: `lora.init_adapters` fills them
         # a tied weight is filled once, from whichever of its names the files hold
         name = checkpoint_name(name)
         source = next((n for n in aliases[id(tensor)] if n in files), name)

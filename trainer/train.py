@@ -76,8 +76,8 @@ class Trainer:
                                           load_from=self.model_dir)
         self.is_moe = bool(moe_blocks(self.model))  # from the built model: config.json is read once
         opt = self.cfg.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
+        self.optimizer = torch.optim.AdamW(  # with LoRA only the adapters require grad
+            [p for p in self.model.parameters() if p.requires_grad], lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
         )
         self.scheduler = build_scheduler(self.optimizer, opt, recipe.orchestrator.max_steps)
         self.step_ctx = StepContext(
@@ -121,6 +121,10 @@ class Trainer:
             from rlctl.trainer.weights_broadcast import publish_broadcast
 
             return publish_broadcast(self, step)
+        if self.cfg.lora.enabled:  # the adapter only, as PEFT files: the servers keep the base
+            from rlctl.trainer.lora_publish import publish_adapter
+
+            return publish_adapter(self, step)
         from rlctl.trainer.weights import ProcessGroupRanks, publish_buckets, serving_dtype
 
         t0 = time.perf_counter()
