@@ -13,6 +13,7 @@ Logs, metrics and the orchestrator's progress parts are small and not counted.
 """
 from __future__ import annotations
 
+from rlctl.recipes.plan_sync import model_bytes
 from rlctl.trainer.plan import state_bytes
 
 # The rollout contract (orchestrator/batch.py `build_batch_tensors`): per token input_ids int64,
@@ -38,7 +39,9 @@ def plan_disk(recipe, spec) -> dict:
     to each batch is reported beside, not counted."""
     o, interval = recipe.orchestrator, recipe.checkpoint.interval
     seq, off = recipe.inference.max_model_len, o.max_off_policy_steps
-    weights_step, checkpoint = state_bytes(spec, recipe.trainer.optimizer_dtype)
+    _, checkpoint = state_bytes(spec, recipe.trainer.optimizer_dtype)
+    # a published step is the model in the serving dtype (only the adapter under LoRA)
+    weights_step = int(sum(model_bytes(recipe, spec, on_gpu=False)[:2]))
     replay = router_replay_bytes(spec, o.rollouts_per_step, seq)
     batch = rollout_batch_bytes(o.rollouts_per_step, seq)
     kept = {

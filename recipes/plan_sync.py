@@ -66,7 +66,21 @@ def model_bytes(recipe, spec, on_gpu: bool) -> tuple[float, float, str]:
         return 2.0 * lora_params(spec, rank, targets), 0.0, "bf16 (LoRA adapter)"
     fp8 = bool(on_gpu and recipe.inference.fp8)
     dense, expert = weight_bytes(spec, fp8)
-    return dense, expert, "fp8" if fp8 else "bf16"
+    if fp8:
+        return dense, expert, "fp8"
+    name = serving_dtype_name(recipe)
+    scale = DTYPE_BYTES[name] / 2.0  # weight_bytes counts 2 bytes a parameter
+    return dense * scale, expert * scale, SHORT_NAMES.get(name, name)
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+SHORT_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def serving_dtype_name(recipe) -> str:
+    """`inference.dtype`, 'auto' meaning `trainer.dtype`: the dtype weights are published in."""
+    name = recipe.inference.dtype
+    return recipe.trainer.dtype if name == "auto" else name
 
 
 def gpu_shape(recipe, profile, trainer, inference, trainer_nodes: int, inference_nodes: int) -> SyncShape:

@@ -88,16 +88,16 @@ def test_disk_per_step_and_peak_from_the_model_spec():
     params = layers * layer + 2 * vocab * h + h
     assert params == pytest.approx(30.5e9, rel=0.01)  # the published size
     disk = plan(load_recipe(["recipes/qwen3-30b-a3b.toml"])).to_json()["disk"]
-    assert disk["weights_step_bytes"] == 4 * params  # fp32 master weights: ≈ 122 GB, as observed
+    assert disk["weights_step_bytes"] == 2 * params  # published in the serving dtype (bf16): ≈ 61 GB
     assert disk["checkpoint_bytes"] == (4 + 8) * params  # + AdamW's two fp32 moments
     seq, rollouts = 16384, 512  # inference.max_model_len, orchestrator.rollouts_per_step
     assert disk["rollout_batch_bytes"] == rollouts * (seq * (8 + 1 + 1 + 4 + 4) + 4 + 4)
     assert disk["router_replay_bytes_per_batch"] == rollouts * seq * layers * 8 * 2  # int16 [layers, top_k, T]
     # max_off_policy_steps = 2, weights.keep_last = 2, checkpoint interval 50 / keep_last 2 (defaults)
     assert disk["kept"] == {"weights": 3 + 1, "rollouts": 50 + 3, "checkpoints": 2 + 1}
-    assert disk["peak_bytes"] == 4 * 4 * params + 53 * disk["rollout_batch_bytes"] + 3 * 12 * params
-    assert disk["written_per_step_bytes"] == 4 * params + disk["rollout_batch_bytes"] + 12 * params // 50
-    assert disk["unpruned_run_bytes"] == 300 * (4 * params + disk["rollout_batch_bytes"]) + 6 * 12 * params
+    assert disk["peak_bytes"] == 4 * 2 * params + 53 * disk["rollout_batch_bytes"] + 3 * 12 * params
+    assert disk["written_per_step_bytes"] == 2 * params + disk["rollout_batch_bytes"] + 12 * params // 50
+    assert disk["unpruned_run_bytes"] == 300 * (2 * params + disk["rollout_batch_bytes"]) + 6 * 12 * params
 
 
 def test_disk_follows_the_retention_keys():
@@ -129,8 +129,8 @@ def test_plan_table_shows_the_disk(capsys):
 
     render(plan(load_recipe(["recipes/qwen3-30b-a3b.toml"])).to_json())
     out = capsys.readouterr().out
-    assert "disk (run directory)" in out and "113.7 GiB" in out  # one weights step: 122 GB
-    assert "1.5 TiB" in out  # the peak
+    assert "disk (run directory)" in out and "56.9 GiB" in out  # one weights step in bf16: 61 GB
+    assert "1.2 TiB" in out  # the peak
 
 
 def test_gpu_memory_is_what_cuda_reports():
