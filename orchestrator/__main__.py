@@ -133,8 +133,9 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
 
     def on_batch(step: int, groups, metrics: dict) -> None:
         nonlocal reload_index
-        reload_s, reload_index = watcher.reload_seconds_since(reload_index)
-        append_record(run, "orchestrator", OrchestratorStepRecord(step=step, **metrics, weight_reload_s=reload_s))
+        reload_s, reload_bytes, reload_index = watcher.reloads_since(reload_index)
+        append_record(run, "orchestrator", OrchestratorStepRecord(step=step, **metrics, weight_reload_s=reload_s,
+                                                                  weight_reload_bytes=reload_bytes))
         log(f"step {step + 1}/{end_step}  reward {metrics['reward_mean']:.3f}  policy v{metrics['policy_version']}  "
             f"lag {metrics['off_policy_lag_mean']:.2f}/{metrics['off_policy_lag_max']}  "
             f"dropped {metrics['dropped_groups']}  {metrics['rollouts_per_s']:.0f} rollouts/s  "

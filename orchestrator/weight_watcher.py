@@ -77,9 +77,12 @@ class WeightWatcher:
         await self.policy.set(step)
         return record
 
-    def reload_seconds_since(self, index: int) -> tuple[float, int]:
-        """Total reload seconds of records from `index` on, and the new index (for per-batch metrics)."""
-        return sum(r["reload_s"] for r in self.reloads[index:]), len(self.reloads)
+    def reloads_since(self, index: int) -> tuple[float, int, int]:
+        """Total reload seconds and weight bytes read (the most one server read, summed over the
+        reloads) of records from `index` on, and the new index (for per-batch metrics)."""
+        records = self.reloads[index:]
+        read = sum(int(r.get("bytes_read_max") or 0) for r in records)
+        return sum(r["reload_s"] for r in records), read, len(self.reloads)
 
     async def run(self) -> None:
         """Poll forever (cancel to stop); reload errors propagate and fail the orchestrator."""

@@ -36,5 +36,8 @@ def test_tiny_recipe_learns_locally_and_leaves_nothing_behind(tiny_cpu_run):
     # retention: weights.keep_last (2) steps + 1 a server may load; batches covered by checkpoint step_80 gone
     assert len(list((run / "weights").glob("step_*"))) <= 3 and not list((run / "rollouts").glob("step_*"))
     assert leftover_processes(run) == []
+    # the servers reloaded sharded publishes: what they read is reported, one step's shards per reload
+    read = [r["weight_reload_bytes"] for r in orch if r.get("weight_reload_bytes")]
+    assert read and max(read) < 10 * min(read), read
     print(f"tiny-cpu local: {took:.0f}s wall, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}, "
           f"first step >= 0.8: {next(i for i, r in enumerate(rewards) if r >= 0.8)}")

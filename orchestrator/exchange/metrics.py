@@ -100,6 +100,8 @@ class OrchestratorStepRecord(StepRecord):
     """Trained (loss-masked) tokens in the batch."""
     weight_reload_s: float | None = None
     """Seconds the servers spent reloading weights since the previous batch."""
+    weight_reload_bytes: int | None = None
+    """Weight bytes the busiest server read for those reloads (its share of the shards; 0 by broadcast)."""
     turns_mean: float | None = None
     """Mean generated turns per rollout (1 for single-turn environments)."""
     reward_timeouts: int = 0
