@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from rlctl.orchestrator.exchange.steps import complete_steps, remove_steps, step_dir_name
+
 
 class RankGroup(Protocol):
     """The ranks that publish one version together (the trainer's process group)."""
@@ -81,3 +83,29 @@ class WeightStore(ABC):
     @abstractmethod
     def retain(self, keep_last: int, in_use: set[int] = frozenset()) -> list[int]:
         """Drop all but the `keep_last` newest versions and those in `in_use`; returns the dropped."""
+
+
+class StepDirectoryStore(WeightStore):
+    """Versions as `folder/step_N/` directories sealed by the `COMPLETE` marker (`steps.py`): what every
+    transport shares — listing, rewinding and retention — whatever a step directory holds."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def location(self, step: int) -> Path:
+        return self.folder / step_dir_name(step)
+
+    def latest(self) -> int | None:
+        steps = complete_steps(self.folder)
+        return steps[-1] if steps else None
+
+    def discard_after(self, step: int) -> list[int]:
+        return remove_steps(self.folder, lambda s: s <= step)
+
+    def retain(self, keep_last: int, in_use: set[int] = frozenset()) -> list[int]:
+        """Complete steps beyond the newest `keep_last` go, unless a server may still be loading them;
+        steps newer than the newest complete one (being written) are never touched."""
+        done = complete_steps(self.folder)
+        kept = set(done[-max(keep_last, 1):]) | set(in_use)
+        newest = done[-1] if done else -1
+        return remove_steps(self.folder, lambda s: s in kept or s > newest)

@@ -28,8 +28,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterable
 
-from rlctl.orchestrator.exchange.steps import MARKER, complete_steps, publish_step, remove_steps, step_dir_name
-from rlctl.orchestrator.exchange.weights import RankGroup, SingleProcess, WeightStore
+from rlctl.orchestrator.exchange.steps import MARKER, publish_step, step_dir_name
+from rlctl.orchestrator.exchange.weights import RankGroup, SingleProcess, StepDirectoryStore
 
 MANIFEST_FILE = "broadcast.json"
 CONFIG_FILE = "config.json"
@@ -304,7 +304,7 @@ def is_served(step_dir: Path) -> bool:
 # ---- the weight store --------------------------------------------------------------------------
 
 
-class BroadcastWeightStore(WeightStore):
+class BroadcastWeightStore(StepDirectoryStore):
     """`weights/step_N/` with a manifest instead of tensor files; same marker, listing and retention.
 
     `publish` is collective like the filesystem transport's, but only rank 0 sends: give every rank an
@@ -316,13 +316,10 @@ class BroadcastWeightStore(WeightStore):
 
     def __init__(self, folder: Path, host: str, timeout_s: float, backend: str = "gloo", device="cpu",
                  coordination=None, stop: Callable[[], str | None] = lambda: None):
-        self.folder = Path(folder)
+        super().__init__(folder)
         self.host, self.timeout_s, self.backend, self.device = host, timeout_s, backend, device
         self.coordination, self.stop = coordination, stop
         self.last: dict = {}  # what the last publish did, for the trainer's log
-
-    def location(self, step: int) -> Path:
-        return self.folder / step_dir_name(step)
 
     def publish(self, step: int, config: dict, buckets: Iterable[dict], group: RankGroup = SingleProcess()) -> Path:
         """Serve version `step` (step 0 is only announced: servers start from the model directory). An
@@ -381,16 +378,3 @@ class BroadcastWeightStore(WeightStore):
 
         return publish_step(self.folder, step_dir_name(step), write,
                             {"step": step, "file": MANIFEST_FILE, "transport": "broadcast"}, sync_metadata=False)
-
-    def latest(self) -> int | None:
-        steps = complete_steps(self.folder)
-        return steps[-1] if steps else None
-
-    def discard_after(self, step: int) -> list[int]:
-        return remove_steps(self.folder, lambda s: s <= step)
-
-    def retain(self, keep_last: int, in_use: set[int] = frozenset()) -> list[int]:
-        done = complete_steps(self.folder)
-        kept = set(done[-max(keep_last, 1):]) | set(in_use)
-        newest = done[-1] if done else -1
-        return remove_steps(self.folder, lambda s: s in kept or s > newest)

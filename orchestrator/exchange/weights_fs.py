@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Iterable
 
 from rlctl.orchestrator.exchange.files import DIR_MODE, FILE_MODE, fsync_path, private_dir
-from rlctl.orchestrator.exchange.steps import (MARKER, STAGING_SUFFIX, complete_steps, parse_step, remove_steps,
-                                                seal, step_dir_name)
-from rlctl.orchestrator.exchange.weights import RankGroup, SingleProcess, WeightStore, hf_state_dict
+from rlctl.orchestrator.exchange.steps import MARKER, STAGING_SUFFIX, parse_step, seal
+from rlctl.orchestrator.exchange.weights import RankGroup, SingleProcess, StepDirectoryStore, hf_state_dict
 
 INDEX_FILE = "model.safetensors.index.json"  # name → shard file; what transformers and vLLM read first
 CONFIG_FILE = "config.json"
@@ -85,13 +84,7 @@ def read_weights(step_dir: Path) -> dict:
     return out
 
 
-class FilesystemWeightStore(WeightStore):
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-
-    def location(self, step: int) -> Path:
-        return self.folder / step_dir_name(step)
-
+class FilesystemWeightStore(StepDirectoryStore):
     def publish(self, step: int, config: dict, buckets: Iterable[dict], group: RankGroup = SingleProcess()) -> Path:
         """Each rank writes one shard per bucket into the shared staging directory (fsynced by the rank
         that wrote it: on NFS only the writing client can flush its pages); after a barrier rank 0 seals."""
@@ -144,21 +137,6 @@ class FilesystemWeightStore(WeightStore):
         # crash merely hides the step (it is republished), so those metadata writes are not synced.
         seal(stage, final, {"step": step, "files": len(parts), "bytes": total}, sync_metadata=False,
              fsync_files=False)
-
-    def latest(self) -> int | None:
-        steps = complete_steps(self.folder)
-        return steps[-1] if steps else None
-
-    def discard_after(self, step: int) -> list[int]:
-        return remove_steps(self.folder, lambda s: s <= step)
-
-    def retain(self, keep_last: int, in_use: set[int] = frozenset()) -> list[int]:
-        """Complete steps beyond the newest `keep_last` go, unless a server may still be loading them;
-        steps newer than the newest complete one (being written) are never touched."""
-        done = complete_steps(self.folder)
-        kept = set(done[-max(keep_last, 1):]) | set(in_use)
-        newest = done[-1] if done else -1
-        return remove_steps(self.folder, lambda s: s in kept or s > newest)
 
 
 def step_of(path: Path) -> int | None:
