@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import sys
 
-
-def _fmt_s(x) -> str:
-    if x is None:
-        return "n/a"
-    if x >= 7200:
-        return f"{x / 3600:.1f} h"
-    return f"{x / 60:.1f} min" if x >= 120 else f"{x:.3g} s"
+from rlctl.cli.plan_view import _fmt_s
 
 
 def _pct(x) -> str:
