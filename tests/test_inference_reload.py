@@ -80,6 +80,15 @@ async def _complete(client, version):
         return await client.complete(PROMPT, max_tokens=1, prompt_logprobs=0, cache_salt=policy_cache_salt(version))
 
 
+def lm_head_tied(url: str, token: str) -> bool:
+    """Whether the served LM head still shares the embedding's storage (after a reload re-tied it)."""
+    async def ask():
+        async with InferenceClient(url, token) as c:
+            return await c.collective_rpc("rlctl_lm_head_tied")
+
+    return asyncio.run(ask()) == ["True"]
+
+
 def max_diff(a, b) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) for x, y in zip(a, b))
@@ -159,12 +168,7 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
     assert preemptions(info["url"]) == preempted
     after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)
     assert max_diff(after, expected) < 1e-3
-
-    async def tied():
-        async with InferenceClient(info["url"], token) as c:
-            return await c.collective_rpc("rlctl_lm_head_tied")
-
-    assert asyncio.run(tied()) == ["True"]
+    assert lm_head_tied(info["url"], token)
 
 
 def test_reload_refuses_a_step_without_marker(server, tmp_path):

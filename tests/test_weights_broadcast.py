@@ -114,7 +114,8 @@ def test_served_weights_equal_the_trainers_after_a_broadcast(tmp_path):
     from rlctl.inference.client import InferenceClient, reload_all
     from rlctl.orchestrator.exchange.weights import hf_state_dict
     from rlctl.trainer.weights import load_config
-    from test_inference_reload import make_run, max_diff, served_prompt_logprobs, transformers_prompt_logprobs
+    from test_inference_reload import (lm_head_tied, make_run, max_diff, served_prompt_logprobs,
+                                       transformers_prompt_logprobs)
 
     run = make_run(tmp_path / "run")
     with served(run, tmp_path / "inference.log") as (info, _):
@@ -153,12 +154,7 @@ def test_served_weights_equal_the_trainers_after_a_broadcast(tmp_path):
         assert timing["servers"] == 1 and all(len(r["choices"][0]["token_ids"]) == 16 for r in results)
         after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)
         assert max_diff(after, expected) < 1e-3
-
-        async def tied():
-            async with InferenceClient(info["url"], token) as c:
-                return await c.collective_rpc("rlctl_lm_head_tied")
-
-        assert asyncio.run(tied()) == ["True"]
+        assert lm_head_tied(info["url"], token)
 
 
 def _trainer_rank(rank: int, world: int, port: int, folder: str, timeout_s: float) -> None:
