@@ -140,3 +140,21 @@ def test_lora_server_serves_the_adapter_under_the_policy_name_and_only_admins_sw
         assert call(guarded, route, {"Authorization": "Bearer api-key"}) == 401
         assert call(guarded, route, {"Authorization": "Bearer admin-tok"}) == 200
     assert call(guarded, "/v1/completions", {"Authorization": "Bearer api-key"}) == 200
+
+
+def test_moe_models_and_fp8_are_refused_naming_the_key():
+    from transformers import AutoConfig
+
+    from rlctl.recipes.errors import RecipeError
+    from rlctl.recipes.load import load_recipe
+    from rlctl.trainer.lora import check_lora_supported
+    from rlctl.trainer.tiny_model import TINY_QWEN3, TINY_QWEN3_MOE
+
+    def config(d):
+        return AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
+
+    trainer = load_recipe(["tiny-cpu"], ["trainer.lora.rank=8"]).trainer
+    check_lora_supported(config(TINY_QWEN3), trainer)
+    with pytest.raises(RecipeError) as err:
+        check_lora_supported(config(TINY_QWEN3_MOE), trainer)
+    assert err.value.key == "trainer.lora.rank"

@@ -140,9 +140,9 @@ def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], config: dic
 def check_lora_supported(hf_config, trainer_cfg) -> None:
     """Dense models only: grouped experts keep no per-expert Linear an adapter could wrap."""
     from rlctl.recipes.errors import RecipeError
-    from rlctl.trainer.build import is_moe_config
 
-    if is_moe_config(hf_config):
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(text, "num_experts", 0) or getattr(text, "n_routed_experts", 0):
         raise RecipeError(f"rank={trainer_cfg.lora.rank}: LoRA adapters are trained on dense models only "
                           f"({hf_config.model_type} routes to experts; allowed here: 0)", key="trainer.lora.rank")
     if getattr(trainer_cfg, "fp8", False):

@@ -70,7 +70,13 @@ TINY_QWEN3_MOE: dict = {
     "output_router_logits": False,
 }
 
-TINY_MODELS: dict[str, dict] = {"tiny-qwen3": TINY_QWEN3, "tiny-qwen3-moe": TINY_QWEN3_MOE}
+# The LoRA demo's base: tiny-qwen3 drawn with a 5x larger std. Why: with frozen (tied) embeddings and
+# final norm the logits are bounded by the embeddings' norm, and at std 0.02 no adapter can make the
+# policy confident (a replay of the task stays at reward ~0.03); a pretrained base has no such cap.
+TINY_QWEN3_LORA: dict = {**TINY_QWEN3, "initializer_range": 0.2}
+
+TINY_MODELS: dict[str, dict] = {"tiny-qwen3": TINY_QWEN3, "tiny-qwen3-moe": TINY_QWEN3_MOE,
+                                "tiny-qwen3-lora": TINY_QWEN3_LORA}
 """`model.name` of each built-in tiny model -> its config.json."""
 
 BUILD_MARKER = "BUILT.json"  # written last: its presence means the directory is whole
