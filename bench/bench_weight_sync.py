@@ -41,14 +41,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _start_server(run, model_name: str, log: Path, overrides=()) -> tuple[subprocess.Popen, dict]:
     from rlctl.orchestrator.exchange.files import atomic_write_json
     from rlctl.recipes.load import load_recipe
@@ -96,6 +88,7 @@ def main(argv=None) -> int:
 
     from rlctl.orchestrator.exchange.layout import RunDir
     from rlctl.trainer.tiny_model import build_tiny_model, parameter_count
+    from rlctl.orchestrator.exchange.files import fsync_path
     from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, read_weights
 
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-", dir=args.workdir))
@@ -121,7 +114,7 @@ def main(argv=None) -> int:
             state = {k: v + 1e-3 * step for k, v in base.items()}
             raw_path = work / f"raw_{step}.safetensors"
             raw_save.append(_timed(lambda: save_file(state, str(raw_path))))
-            raw_sync.append(_timed(lambda: _fsync(raw_path)))
+            raw_sync.append(_timed(lambda: fsync_path(raw_path)))
             raw_load.append(_timed(lambda: load_file(raw_path)))
             publish.append(_timed(lambda: FilesystemWeightStore(run.weights).publish_state(step, state, config)))
             step_dir = run.weights / f"step_{step}"

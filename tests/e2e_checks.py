@@ -26,6 +26,16 @@ def rlctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*RLCTL, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def launch_waiting(root: Path, recipe: str, name: str, *overrides: str, timeout: float = 900):
+    """`rlctl launch RECIPE --name NAME --wait` into `root` (plus `-o` overrides): the one run a module's
+    e2e checks share. Returns (run dir, completed process, wall seconds)."""
+    t0 = time.monotonic()
+    extra = [arg for o in overrides for arg in ("-o", o)]
+    out = subprocess.run([*RLCTL, "launch", recipe, "--name", name, "-o", f"deployment.output_dir={root}", *extra,
+                          "--wait"], capture_output=True, text=True, timeout=timeout)
+    return root / name, out, time.monotonic() - t0
+
+
 def metrics(run: Path) -> tuple[list[dict], list[dict]]:
     """(trainer records, orchestrator records), each sorted by step."""
     recs = read_records(run)

@@ -4,12 +4,11 @@ of safetensors on the filesystem. One run, shared by every check of this module.
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from types import SimpleNamespace
 
 import pytest
-from e2e_checks import RLCTL, TINY, assert_contract_keys, learning_report, leftover_processes, metrics, monitor_json
+from e2e_checks import (TINY, assert_contract_keys, launch_waiting, learning_report, leftover_processes, metrics,
+                        monitor_json)
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 80
@@ -17,11 +16,8 @@ MAX_STEPS = 80
 
 @pytest.fixture(scope="module")
 def broadcast_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("broadcast")
-    t0 = time.monotonic()
-    out = subprocess.run([*RLCTL, "launch", TINY, "--name", "bcast", "-o", f"deployment.output_dir={root}",
-                          "-o", "weights.transport=broadcast", "--wait"], capture_output=True, text=True, timeout=900)
-    return SimpleNamespace(run=root / "bcast", out=out, took=time.monotonic() - t0)
+    run, out, took = launch_waiting(tmp_path_factory.mktemp("broadcast"), TINY, "bcast", "weights.transport=broadcast")
+    return SimpleNamespace(run=run, out=out, took=took)
 
 
 def test_learns_like_the_filesystem_transport(broadcast_run):

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from e2e_checks import RLCTL, assert_contract_keys, learning_report, leftover_processes, metrics, monitor_json
+from e2e_checks import assert_contract_keys, launch_waiting, learning_report, leftover_processes, metrics, monitor_json
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 120
@@ -20,11 +18,8 @@ RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-lora-cpu.to
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    t0 = time.monotonic()
-    out = subprocess.run([*RLCTL, "launch", RECIPE, "--name", "lora", "-o", f"deployment.output_dir={root}",
-                          "--wait"], capture_output=True, text=True, timeout=900)
-    return SimpleNamespace(run=root / "lora", out=out, took=time.monotonic() - t0)
+    run, out, took = launch_waiting(tmp_path_factory.mktemp("lora"), RECIPE, "lora")
+    return SimpleNamespace(run=run, out=out, took=took)
 
 
 def test_learns_with_adapters_only(lora_run):
