@@ -160,9 +160,9 @@ def sim_server(token_delay: float = 0.01, token: str | None = None, request_over
            "--request-overhead", str(request_overhead), "--reload-delay", str(reload_delay),
            "--max-concurrent", str(max_concurrent)]
     if token:
-        cmd += ["--token", token]
+        cmd.append(f"--token={token}")  # "=" form: a secret may begin with "-"
     if api_key:
-        cmd += ["--api-key", api_key]
+        cmd.append(f"--api-key={api_key}")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = proc.stdout.readline()
