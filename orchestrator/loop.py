@@ -17,8 +17,9 @@ one server. Three cooperating pieces run on one asyncio loop:
   than N - max_off_policy_steps (the dispatcher replaces each dropped group), computes group-relative
   advantages and writes `rollouts/step_N` atomically.
 
-Multi-turn environments (`MultiTurnEnvironment`) run `group_size` trajectories per group instead, each
-turn one request with the token ids so far (trajectory.py); environment tokens get loss mask 0 and no
+Multi-turn environments (`MultiTurnEnvironment`) run `group_size` trajectories per group instead: their
+first turns in one request with n = group_size, each later turn one request with the token ids so far
+(trajectory.py); environment tokens get loss mask 0 and no
 policy version, so the off-policy bound and the lag metrics see the trajectory's oldest *generated* token.
 
 Every group is either written exactly once or counted as dropped; failed requests are retried as a
@@ -37,7 +38,7 @@ import aiohttp
 from rlctl.orchestrator.advantages import group_advantages, is_stale, min_policy_version
 from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
 from rlctl.orchestrator.environments import Environment, MultiTurnEnvironment, Prompt
-from rlctl.orchestrator.trajectory import Budget, TokenClient
+from rlctl.orchestrator.trajectory import Budget, SharedFirstTurns, TokenClient
 from rlctl.orchestrator.completion_stream import raise_for_status, streamed_choices
 from rlctl.orchestrator.rewards import RewardScorer
 from rlctl.inference.client import decode_routed_experts, policy_cache_salt, routed_experts_payload
@@ -251,13 +252,16 @@ class RolloutLoop:
         return rollouts
 
     async def _trajectories(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
-        """`group_size` trajectories of a multi-turn environment, run concurrently (one request per turn)."""
+        """`group_size` trajectories of a multi-turn environment, run concurrently: their first turns in
+        one request with n = group_size, then one request per turn."""
+
+        first_turns = SharedFirstTurns()
 
         async def one(index: int) -> Rollout:
             client = TokenClient(session, self.url, self.headers, self.policy, model=SERVED_MODEL_NAME,
                                  temperature=self.s.temperature, timeout_s=self.s.request_timeout_s,
                                  request_id=f"rlctl-g{group_id}-{index}", cache_salt=policy_cache_salt,
-                                 token_cache=self._token_cache)
+                                 token_cache=self._token_cache, first_turns=first_turns)
             return Rollout.from_trajectory(group_id, index, await self.env.rollout(client, prompt, self.s.budget))
 
         tasks = [asyncio.create_task(one(i)) for i in range(self.s.group_size)]

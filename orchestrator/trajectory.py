@@ -12,6 +12,8 @@ environment). Environment tokens past the budget are cut and end the trajectory.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +135,8 @@ class TokenClient:
     it arrived (see loop.py for why that never overstates it)."""
 
     def __init__(self, session, url: str, headers: dict, policy, *, model: str, temperature: float,
-                 timeout_s: float, request_id: str, cache_salt, token_cache: dict[str, list[int]] | None = None):
+                 timeout_s: float, request_id: str, cache_salt, token_cache: dict[str, list[int]] | None = None,
+                 first_turns: "SharedFirstTurns | None" = None):
         self.session = session
         self.url = url
         self.headers = headers
@@ -145,6 +148,7 @@ class TokenClient:
         self.cache_salt = cache_salt  # version -> salt: each turn's KV belongs to the policy serving it
         # Short tool outputs repeat across trajectories: the loop shares one cache among its clients.
         self._tokens = token_cache if token_cache is not None else {}
+        self.first_turns = first_turns  # the group's trajectories share their first turn's request
         self._requests = 0
 
     def new_trajectory(self, prompt_text: str, budget: Budget) -> Trajectory:
@@ -162,32 +166,40 @@ class TokenClient:
         """Generate the next turn (streamed), append it to `traj` and return it."""
         if not traj.can_generate():
             raise ValueError("the trajectory's budget allows no further turn")
-        version = self.policy.version
         first = not traj.prompt_ids
-        body = {"model": self.model, "prompt": traj.prompt_text if first else traj.context_ids(), "n": 1,
+        body = {"model": self.model, "prompt": traj.prompt_text if first else traj.context_ids(),
                 "max_tokens": traj.next_turn_tokens(), "temperature": self.temperature, "top_p": 1.0,
-                "logprobs": 0, "return_token_ids": True, "stream": True, "cache_salt": self.cache_salt(version)}
+                "logprobs": 0, "return_token_ids": True, "stream": True,
+                "cache_salt": self.cache_salt(self.policy.version)}
         if stop:
             body["stop"] = stop
-        seg = Segment([], [], [], True)
-        prompt_ids: list[int] = []
-        async with self._post(body) as resp:
-            async for choice, now_version, ids, lps in streamed_choices(resp, self.policy):
-                if choice.get("prompt_token_ids"):
-                    prompt_ids = list(choice["prompt_token_ids"])
-                seg.ids.extend(ids)
-                seg.logprobs.extend(lps)
-                seg.versions.extend([now_version] * len(ids))
-                seg.text += choice.get("text") or ""
-                seg.finish_reason = choice.get("finish_reason") or seg.finish_reason
-        if seg.finish_reason is None or not prompt_ids:
-            raise ValueError("stream ended before the turn finished")
+        if first and self.first_turns is not None:
+            prompt_ids, seg = await self.first_turns.generate(self, body)
+        else:
+            [(prompt_ids, seg)] = await self.stream_turns(body, 1)
         if first:
             traj.prompt_ids = prompt_ids
         elif prompt_ids != traj.context_ids():
             raise ValueError("the server's prompt token ids differ from the trajectory's context")
         traj.add_turn(seg)
         return seg
+
+    async def stream_turns(self, body: dict, n: int) -> list[tuple[list[int], Segment]]:
+        """`n` samples of one turn in one streamed request: (the server's prompt ids, the turn) each."""
+        turns: list[tuple[list[int], Segment]] = [([], Segment([], [], [], True)) for _ in range(n)]
+        async with self._post({**body, "n": n}) as resp:
+            async for choice, now_version, ids, lps in streamed_choices(resp, self.policy):
+                prompt_ids, seg = turns[choice.get("index", 0)]
+                if choice.get("prompt_token_ids") and not prompt_ids:
+                    prompt_ids.extend(choice["prompt_token_ids"])
+                seg.ids.extend(ids)
+                seg.logprobs.extend(lps)
+                seg.versions.extend([now_version] * len(ids))
+                seg.text += choice.get("text") or ""
+                seg.finish_reason = choice.get("finish_reason") or seg.finish_reason
+        if any(seg.finish_reason is None or not prompt_ids for prompt_ids, seg in turns):
+            raise ValueError("stream ended before the turn finished")
+        return turns
 
     async def tokenize(self, text: str) -> list[int]:
         """The server's token ids of `text` alone (no special tokens), e.g. a tool's output."""
@@ -206,3 +218,41 @@ class TokenClient:
                 self._tokens[text] = ids
             return ids
         return list(self._tokens[text])
+
+
+class SharedFirstTurns:
+    """The first turns of one group's trajectories, sent as one request with n = their number.
+
+    A group's trajectories all start from the same prompt: one request with n = k costs the server one
+    HTTP exchange and one prompt instead of k (the tool recipe's step sends 544 requests instead of 1024,
+    and on a small model the per-request cost is the step). The first trajectory to ask yields once to
+    the event loop, so the group's other trajectories, started with it, join its request; any that ask
+    later (an environment that awaited something first) form the next one. The samples stay independent:
+    vLLM draws each of the n with its own random state, as for k requests."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, list[asyncio.Future]] = {}
+
+    async def generate(self, client: TokenClient, body: dict) -> tuple[list[int], Segment]:
+        key = json.dumps({k: v for k, v in body.items() if k != "cache_salt"}, sort_keys=True)
+        if key in self._open:  # a request is forming: join it
+            joined = asyncio.get_running_loop().create_future()
+            self._open[key].append(joined)
+            return await joined
+        followers = self._open[key] = []
+        try:
+            await asyncio.sleep(0)  # the trajectories started with this one reach their first turn
+        finally:
+            del self._open[key]
+        try:
+            first, *rest = await client.stream_turns(body, 1 + len(followers))
+        except BaseException as exc:  # cancelled or failed: every joined trajectory learns it
+            error = exc if isinstance(exc, Exception) else RuntimeError("the group's first-turn request was cancelled")
+            for joined in followers:
+                if not joined.done():
+                    joined.set_exception(error)
+            raise
+        for joined, turn in zip(followers, rest):
+            if not joined.done():
+                joined.set_result(turn)
+        return first

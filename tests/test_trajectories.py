@@ -42,15 +42,16 @@ class FakeServer:
             await self.policy.set(self.policy.version + 1)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        context = list(ids)
-        for step in range(body["max_tokens"]):
-            tok = context[-1]
-            context.append(tok)
-            choice = {"index": 0, "text": chr(tok), "token_ids": [tok], "logprobs": {"token_logprobs": [-0.5]},
-                      "finish_reason": "length" if step == body["max_tokens"] - 1 else None}
-            if step == 0:
-                choice["prompt_token_ids"] = ids
-            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        for index in range(body.get("n", 1)):  # vLLM interleaves the n samples; here one after the other
+            context = list(ids)
+            for step in range(body["max_tokens"]):
+                tok = context[-1]
+                context.append(tok)
+                choice = {"index": index, "text": chr(tok), "token_ids": [tok], "logprobs": {"token_logprobs": [-0.5]},
+                          "finish_reason": "length" if step == body["max_tokens"] - 1 else None}
+                if step == 0:
+                    choice["prompt_token_ids"] = ids
+                await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -246,6 +247,79 @@ def test_rollout_loop_runs_multi_turn_groups(tmp_path):
         assert t["rewards"].eq(1.0).all()  # the fake policy repeats the key, then the value
     assert [r["turns_mean"] for r in records] == [2.0, 2.0]
     assert records[1]["off_policy_lag_max"] == 0
+    turns = [body for _, body in server.requests if body["max_tokens"] > 0]
+    first = [body["n"] for body in turns if isinstance(body["prompt"], str)]
+    assert first and set(first) == {2}  # a group's first turns: one request with n = group_size
+    assert {body["n"] for body in turns if not isinstance(body["prompt"], str)} == {1}
+
+
+def test_first_turns_started_together_share_one_request_and_late_ones_form_the_next():
+    import aiohttp
+
+    from rlctl.orchestrator.trajectory import SharedFirstTurns
+
+    async def main():
+        policy = PolicyVersion(0)
+        server = FakeServer(policy)
+        runner, url = await _serve(server)
+        shared = SharedFirstTurns()
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def one(name: str, delay: float) -> Trajectory:
+                    if delay:
+                        await asyncio.sleep(delay)
+                    client = TokenClient(session, url, {}, policy, model="policy", temperature=1.0, timeout_s=30,
+                                         request_id=name, cache_salt=str, first_turns=shared)
+                    traj = client.new_trajectory("k3", Budget(2, 2, 8))
+                    await client.generate(traj)
+                    await client.generate(traj)
+                    return traj
+
+                trajs = await asyncio.gather(one("a", 0), one("b", 0), one("c", 0), one("late", 0.05))
+        finally:
+            await runner.cleanup()
+        return server, trajs
+
+    server, trajs = asyncio.run(main())
+    firsts = [body["n"] for _, body in server.requests if body["prompt"] == "k3"]
+    assert firsts == [3, 1]
+    assert len(server.requests) == 2 + 4  # then each trajectory's own second turn
+    for traj in trajs:
+        assert traj.prompt_ids == [ord("k"), ord("3")] and traj.completion_ids == [ord("3")] * 4
+        assert traj.turns == 2 and traj.logprobs == [-0.5] * 4
+
+
+def test_a_failed_shared_first_turn_fails_every_trajectory_that_joined_it():
+    import aiohttp
+    from aiohttp import web
+
+    from rlctl.orchestrator.trajectory import SharedFirstTurns
+
+    async def main():
+        async def busy(request):
+            return web.Response(status=503, text="busy")
+
+        app = web.Application()
+        app.add_routes([web.post("/v1/completions", busy)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        shared, policy = SharedFirstTurns(), PolicyVersion(0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def one(name: str):
+                    client = TokenClient(session, url, {}, policy, model="policy", temperature=1.0, timeout_s=30,
+                                         request_id=name, cache_salt=str, first_turns=shared)
+                    await client.generate(client.new_trajectory("k3", Budget(1, 1, 1)))
+
+                return await asyncio.gather(*(one(n) for n in "abc"), return_exceptions=True)
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(main())
+    assert [type(r).__name__ for r in results] == ["ClientResponseError"] * 3, results
 
 
 def test_tokenisations_of_short_texts_are_shared_between_clients():
