@@ -23,7 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
-                                   inference_target, ipc_safe_tmpdir, render_server_command, server_env)
+                                   inference_target, ipc_safe_tmpdir, render_server_command, server_env,
+                                   share_compile_cache)
 from rlctl.inference.processes import exit_status, own_group_dying_with_parent, private_umask, stop_process_group
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
 from rlctl.orchestrator.exchange.placement import Placement
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         env["TMPDIR"] = private_tmp
     for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
         Path(env[key]).mkdir(parents=True, exist_ok=True)
+    share_compile_cache(env["TMPDIR"], env["TORCHINDUCTOR_CACHE_DIR"])
     print(f"rlctl.inference[{index}]: starting ({target}): {format_command(cmd)}", flush=True)
 
     stop = threading.Event()

@@ -229,6 +229,40 @@ def render_server_command(
     return cmd
 
 
+def compile_cache_dir() -> str:
+    """Where torch's inductor keeps the kernels it compiles, shared by the user's runs.
+
+    vLLM compiles a few sampler kernels with a C++ compiler on the first sampled request (on 2 CPU
+    cores 8-10 s of the server's start). The default place is under TMPDIR, which a server points into
+    its run directory, so every run compiled them again; keyed by code and torch version, they are
+    safe to share. TORCHINDUCTOR_CACHE_DIR set by the user wins."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(base / "rlctl" / "torchinductor")
+
+
+def share_compile_cache(tmpdir: str | Path, cache_dir: str | Path) -> None:
+    """Point `<tmpdir>/torchinductor_<user>` at `cache_dir`: torch puts its precompiled C++ header
+    (≈ 150 MB, most of the first request's compile time) there whatever TORCHINDUCTOR_CACHE_DIR says, and
+    the server's tmpdir is inside its run. A path that already exists is left as it is."""
+    import getpass
+    import re
+
+    try:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # as torch names it
+    except (KeyError, OSError):
+        return
+    link = Path(tmpdir) / f"torchinductor_{user}"
+    if link.exists() or link.is_symlink():
+        return
+    try:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path(cache_dir).resolve(), target_is_directory=True)
+    except OSError:
+        pass  # the server then compiles into its own tmpdir, as before: slower, not wrong
+
+
 def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key: str) -> dict[str, str]:
     """Environment additions of a server process: the two keys (see auth.py), caches inside the run
     dir, offline hub."""
@@ -241,6 +275,7 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TMPDIR": str(cache / "tmp"),
+        "TORCHINDUCTOR_CACHE_DIR": compile_cache_dir(),
         "VLLM_NO_USAGE_STATS": "1",  # no telemetry calls from compute nodes
         # A SIGTERM during start-up can be swallowed by vLLM (see processes.py), leaving the server to wait
         # this long for its engine: never longer than the recipe lets a server start.

@@ -133,6 +133,17 @@ def test_token_travels_in_env_never_on_the_command_line(tmp_path):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(recipe("inference.tp=2"), "cpu", tmp_path, TOKEN, "k")
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and env["TMPDIR"].startswith(str(tmp_path))
+    assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))  # compiled kernels outlive the run
+
+
+def test_compiled_kernels_are_shared_between_runs_unless_the_user_says_where(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    r = recipe()
+    assert server_env(r, "cpu", tmp_path / "a", TOKEN, "k")["TORCHINDUCTOR_CACHE_DIR"] == \
+        server_env(r, "cpu", tmp_path / "b", TOKEN, "k")["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "xdg" / "rlctl" / "torchinductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert server_env(r, "gpu", tmp_path / "a", TOKEN, "k")["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert "VLLM_CPU_KVCACHE_SPACE" not in server_env(r, "gpu", tmp_path, TOKEN, "api-key")
 
 
@@ -159,3 +170,18 @@ def test_dtype_auto_follows_the_trainer():
     assert flag(render(recipe("trainer.dtype=float32"), CPU, "cpu"), "--dtype") == "float32"
     assert flag(render(recipe("trainer.dtype=bfloat16"), CPU, "cpu"), "--dtype") == "bfloat16"
     assert flag(render(recipe("trainer.dtype=float32", "inference.dtype=bfloat16"), CPU, "cpu"), "--dtype") == "bfloat16"
+
+
+def test_the_servers_tmpdir_sends_torchs_precompiled_headers_to_the_shared_cache(tmp_path):
+    import getpass
+
+    from rlctl.inference.server import share_compile_cache
+
+    run_tmp, shared = tmp_path / "run" / "tmp", tmp_path / "shared"
+    run_tmp.mkdir(parents=True)
+    share_compile_cache(run_tmp, shared)
+    share_compile_cache(run_tmp, tmp_path / "other")  # a second call (a resumed server) keeps the link
+    # torch's default_cache_dir(): <gettempdir()>/torchinductor_<user>, where the precompiled header goes
+    header_dir = run_tmp / f"torchinductor_{getpass.getuser()}"
+    (header_dir / "precompiled_headers").mkdir(parents=True)
+    assert (shared / "precompiled_headers").is_dir() and not (tmp_path / "other").exists()
