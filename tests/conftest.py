@@ -57,13 +57,9 @@ def cli():
 def tiny_cpu_run(tmp_path_factory):
     """One `rlctl launch recipes/tiny-cpu.toml --wait` on this machine, shared by the slow tests that
     need a finished tiny run (its end-to-end check, the planner's calibration): run, out, took."""
-    import sys
-    import time
     from types import SimpleNamespace
 
-    root = tmp_path_factory.mktemp("tiny-cpu")
-    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.toml"
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "rlctl.cli.main", "launch", str(tiny), "--name", "e2e",
-                          "-o", f"deployment.output_dir={root}", "--wait"], capture_output=True, text=True, timeout=900)
-    return SimpleNamespace(run=root / "e2e", out=out, took=time.monotonic() - t0)
+    from e2e_checks import TINY, launch_waiting
+
+    run, out, took = launch_waiting(tmp_path_factory.mktemp("tiny-cpu"), TINY, "e2e")
+    return SimpleNamespace(run=run, out=out, took=took)

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 
 import pytest
-from e2e_checks import RLCTL, learning_report, leftover_processes, metrics
+from e2e_checks import launch_waiting, learning_report, leftover_processes, metrics
 
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny-moe-cpu.toml"
 
 
 def test_tiny_moe_with_expert_parallelism_learns(tmp_path):
-    out = subprocess.run([*RLCTL, "launch", RECIPE, "--name", "moe", "-o", f"deployment.output_dir={tmp_path}", "--wait"],
-                         capture_output=True, text=True, timeout=900)
-    run = tmp_path / "moe"
+    run, out, _ = launch_waiting(tmp_path, RECIPE, "moe")
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
     degrees = json.loads((run / "configs" / "placement.json").read_text())["trainer_degrees"]
     assert (degrees["dp_shard"], degrees["ep"], degrees["cp"]) == (2, 2, 1), degrees

@@ -3,13 +3,10 @@ vLLM CPU server, router, orchestrator, 2-rank FSDP2 trainer) learns a task it ca
 call, and no rollout file of the run trains on the environment's tokens."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from e2e_checks import assert_contract_keys, learning_report, leftover_processes, metrics
+from e2e_checks import assert_contract_keys, launch_waiting, learning_report, leftover_processes, metrics
 
 from rlctl.orchestrator.exchange.batches_fs import read_batch, step_dir
 
@@ -22,13 +19,8 @@ MAX_STEPS = 70
 def test_tool_recipe_learns_with_two_turns_and_masked_tool_replies(tmp_path):
     from rlctl.trainer.tiny_model import vocab
 
-    t0 = time.monotonic()
     # No periodic checkpoint within the run: the trainer then keeps every rollout file, for the check below.
-    out = subprocess.run([sys.executable, "-m", "rlctl.cli.main", "launch", str(RECIPE), "--name", "tools",
-                          "-o", f"deployment.output_dir={tmp_path}", "-o", f"checkpoint.interval={MAX_STEPS + 1}",
-                          "--wait"], capture_output=True, text=True, timeout=900)
-    took = time.monotonic() - t0
-    run = tmp_path / "tools"
+    run, out, took = launch_waiting(tmp_path, str(RECIPE), "tools", f"checkpoint.interval={MAX_STEPS + 1}")
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
 
     trainer, orch = metrics(run)

@@ -295,17 +295,12 @@ def test_a_failed_shared_first_turn_fails_every_trajectory_that_joined_it():
 
     from rlctl.orchestrator.trajectory import SharedFirstTurns
 
-    async def main():
-        async def busy(request):
+    class Busy:  # every request answered 503, as an overloaded router does
+        async def completions(self, request):
             return web.Response(status=503, text="busy")
 
-        app = web.Application()
-        app.add_routes([web.post("/v1/completions", busy)])
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    async def main():
+        runner, url = await _serve(Busy())
         shared, policy = SharedFirstTurns(), PolicyVersion(0)
         try:
             async with aiohttp.ClientSession() as session:
