@@ -15,7 +15,7 @@ app = typer.Typer(
 )
 
 # Modules under rlctl.cli that define `register(app)`; order is the order in `--help`.
-COMMAND_MODULES = ("plan", "recipes", "launch", "monitor", "resume")
+COMMAND_MODULES = ("plan", "recipes", "launch", "monitor", "resume", "pool")
 
 
 def _version_callback(value: bool) -> None:

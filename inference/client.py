@@ -152,7 +152,13 @@ class InferenceClient:
         await self._request("POST", "/pause", params=params)
 
     async def resume(self) -> None:
-        await self._request("POST", "/resume")
+        """Resume, once more on a fresh connection if the first attempt finds it dropped: after an
+        admin route failed (HTTP 500), the server closes that keep-alive connection, and a resume sent
+        on it would never arrive and leave the server paused. Resuming twice is harmless."""
+        try:
+            await self._request("POST", "/resume")
+        except InferenceError:
+            await self._request("POST", "/resume")
 
     async def is_paused(self) -> bool:
         return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
@@ -180,21 +186,22 @@ class InferenceClient:
         slowest = max(results, key=lambda r: r["total_s"])
         return {**slowest, "workers": len(results), "rpc_s": time.perf_counter() - start}
 
-    async def swap_adapter(self, step_dir: str) -> dict:
-        """A LoRA run's update: load the PEFT adapter in `step_dir` in place under the served name."""
+    async def swap_adapter(self, step_dir: str, adapter: str = SERVED_MODEL_NAME) -> dict:
+        """A LoRA run's update: load the PEFT adapter in `step_dir` in place under the name `adapter`
+        (the served name; in a shared pool, the run's own)."""
         from rlctl.inference.lora_serving import LOAD_ROUTE
 
         start = time.perf_counter()
-        await self._request("POST", LOAD_ROUTE, json={"lora_name": SERVED_MODEL_NAME, "lora_path": str(step_dir),
+        await self._request("POST", LOAD_ROUTE, json={"lora_name": adapter, "lora_path": str(step_dir),
                                                       "load_inplace": True})
         took = time.perf_counter() - start
         return {"total_s": took, "rpc_s": took, "workers": 1}
 
-    async def load(self, step_dir: str, transport: str, servers: int) -> dict:
+    async def load(self, step_dir: str, transport: str, servers: int, adapter: str = SERVED_MODEL_NAME) -> dict:
         """Load version `step_dir` by its transport: read it ('filesystem'), receive it ('broadcast') or
-        swap in its adapter ('lora')."""
+        swap in its adapter ('lora', under the name `adapter`)."""
         if transport == "lora":
-            return await self.swap_adapter(step_dir)
+            return await self.swap_adapter(step_dir, adapter)
         if transport == "broadcast":
             return await self.receive(step_dir, servers)
         return await self.reload(step_dir)
@@ -261,7 +268,7 @@ def announced_servers(run) -> list[InferenceClient]:
 
 
 async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: str = "keep",
-                     transport: str = "filesystem") -> dict:
+                     transport: str = "filesystem", adapter: str = SERVED_MODEL_NAME) -> dict:
     """Pause every server, reload each in place from `step_dir`, resume them all (even on failure).
     With the broadcast transport all servers receive at once: the sender waits for all of them.
 
@@ -272,7 +279,7 @@ async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: 
     await asyncio.gather(*(s.pause(pause_mode) for s in servers))
     t1 = time.perf_counter()
     try:
-        results = await asyncio.gather(*(s.load(step_dir, transport, len(servers)) for s in servers))
+        results = await asyncio.gather(*(s.load(step_dir, transport, len(servers), adapter) for s in servers))
         t2 = time.perf_counter()
     finally:
         resumed = await asyncio.gather(*(s.resume() for s in servers), return_exceptions=True)

@@ -60,6 +60,9 @@ class InferenceConfig(StrictModel):
     """Disable CUDA graphs / torch.compile (faster start-up, slower decode)."""
     startup_timeout_s: Seconds = 900.0
     """Seconds a server may take to become healthy before the run fails with its log tail."""
+    max_loras: Annotated[int, Field(ge=1, le=256)] = 1
+    """LoRA adapters a server holds at once; a shared pool of LoRA runs needs one per attached run
+    (`rlctl pool launch`), one run needs 1."""
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     """Prefill/decode disaggregation."""
     kv_offload: KVOffloadConfig = KVOffloadConfig()

@@ -17,6 +17,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE_SUFFIX = "-base"
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `--max-lora-rank` choices
 LOAD_ROUTE = "/v1/load_lora_adapter"
+UNLOAD_ROUTE = "/v1/unload_lora_adapter"
 
 
 
@@ -34,9 +35,9 @@ def max_lora_rank(rank: int) -> int:
     raise RecipeError(f"rank={rank}: vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}", key="trainer.lora.rank")
 
 
-def lora_server_args(lora, adapter_name: str, initial_adapter: str | Path) -> list[str]:
-    """vLLM flags for one adapter slot, with the initial (zero) adapter loaded under `adapter_name`."""
-    return ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora.rank)), "--max-loras", "1",
+def lora_server_args(lora, adapter_name: str, initial_adapter: str | Path, max_loras: int = 1) -> list[str]:
+    """vLLM flags for `max_loras` adapter slots, with the initial (zero) adapter loaded under `adapter_name`."""
+    return ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora.rank)), "--max-loras", str(max_loras),
             "--lora-modules", f"{adapter_name}={Path(initial_adapter)}"]
 
 

@@ -201,7 +201,7 @@ def render_server_command(
         if initial_adapter is None:
             raise ValueError("a LoRA run's server needs initial_adapter (the zero adapter's directory)")
         cmd[cmd.index("--served-model-name") + 1] = SERVED_MODEL_NAME + BASE_SUFFIX
-        cmd += lora_server_args(recipe.trainer.lora, SERVED_MODEL_NAME, initial_adapter)
+        cmd += lora_server_args(recipe.trainer.lora, SERVED_MODEL_NAME, initial_adapter, inf.max_loras)
     if inf.enforce_eager:
         cmd.append("--enforce-eager")
     if recipe.trainer.router_replay:  # the experts each token was routed to come back with the completion

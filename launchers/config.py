@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from rlctl.recipes.base import MAX_GPUS_PER_NODE, Count, Delay, NodeCount, PositiveCount, Seconds, StrictModel
+from rlctl.recipes.base import MAX_GPUS_PER_NODE, Count, Delay, NodeCount, PositiveCount, RunName, Seconds, StrictModel
 
 
 class ClusterConfig(StrictModel):
@@ -90,6 +90,10 @@ class DeploymentConfig(StrictModel):
     """After a preemption (USR2, or Slurm's SIGTERM), seconds the batch script waits for the trainer to save its checkpoint and exit before it kills it; keep it below `preempt_signal_s` (and, for SIGTERM, below the cluster's KillWait/GraceTime)."""
     output_dir: str | None = None
     """Root of run directories (default: the profile's shared filesystem path, else ./runs)."""
+    inference_pool: RunName | None = None
+    """Name of a running shared inference pool (`rlctl pool launch`, under `<output_dir>/pools/`) that
+    serves this run: the job then holds only the trainer and orchestrator, and the recipe's `[inference]`
+    and `[router]` sections are the pool's, not this run's."""
     trainer: GroupResources = GroupResources()
     """Slurm settings of the trainer group."""
     inference: GroupResources = GroupResources()

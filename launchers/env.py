@@ -2,7 +2,8 @@
 
 Every task gets `RLCTL_RUN_DIR`, `RLCTL_ATTEMPT`, `RLCTL_GROUP`, `RLCTL_RANK`, `RLCTL_WORLD_SIZE`,
 `RLCTL_LOCAL_RANK`;
-inference tasks also `RLCTL_SERVER_INDEX` and `RLCTL_BIND_HOST`; trainer tasks the torch.distributed
+inference tasks also `RLCTL_SERVER_INDEX` and `RLCTL_BIND_HOST` (orchestrator tasks the latter too: a pool's
+front listens there); trainer tasks the torch.distributed
 variables `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, computed
 from the trainer group's *own* nodes (on Slurm: `SLURM_JOB_NODELIST_HET_GROUP_K`), so every rank
 agrees. The same function serves the local launcher (all nodes = this host).
@@ -44,6 +45,8 @@ def component_env(*, run_dir: str, attempt: int, group: str, rank: int, local_ra
     host = node_addrs[node_index]
     if group == "inference":
         env["RLCTL_SERVER_INDEX"] = str(rank)
+        env["RLCTL_BIND_HOST"] = host
+    elif group == "orchestrator":  # a pool's front (pool_service) listens there for runs on other nodes
         env["RLCTL_BIND_HOST"] = host
     elif group == "trainer":
         env.update(

@@ -138,7 +138,13 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
     if profile.scheduler == "slurm" and placement.orchestrator == "cpu_partition" and not profile.partitions.cpu:
         raise RecipeError("orchestrator_placement is 'cpu_partition' but the profile has no cpu partition",
                           key="deployment.orchestrator_placement")
-    return recipe, profile, placement, build_groups(recipe, profile, placement)
+    groups = build_groups(recipe, profile, placement)
+    if recipe.deployment.inference_pool:  # served by a shared pool: the job holds no servers
+        from rlctl.launchers.attach import attached_groups, check_attachable
+
+        check_attachable(recipe, output_root(recipe, profile))
+        groups = attached_groups(groups, profile.partitions.cpu)
+    return recipe, profile, placement, groups
 
 
 def _write_configs(run: RunDir, recipe, placement, groups: list[JobGroup]) -> None:

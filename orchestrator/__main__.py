@@ -112,7 +112,9 @@ async def watch_router_workers(router_url: str, api_key: str, server_urls: list[
 
 
 async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[str], admin_token: str,
-                      api_key: str) -> None:
+                      api_key: str, pool=None) -> None:
+    """`pool` (an attached `pool_attach.PoolSession`): the run is served by a shared pool, whose front
+    is `router_url` and applies the weight updates; `server_urls` and `admin_token` are then unused."""
     from rlctl.orchestrator.dataset_environment import build_environment
     from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
     from rlctl.orchestrator.rewards import RewardScorer
@@ -127,7 +129,10 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
     rng, base_counters = restore_progress(run, cfg.seed, env, start_step)
     end_step = cfg.max_steps
     policy = PolicyVersion(0)  # servers start from the initial weights (= weights/step_0)
-    reload, close = inference_reloader(server_urls, admin_token)  # the servers' own URLs, never the router
+    if pool is None:
+        reload, close = inference_reloader(server_urls, admin_token)  # the servers' own URLs, never the router
+    else:
+        reload, close = pool.reload, _nothing
     watcher = WeightWatcher(run.weights, policy, reload, serving=lambda version: record_serving(run, version))
     reload_index = 0
 
@@ -156,7 +161,8 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
     monitor_task = asyncio.create_task(monitor.run(
         lambda: loop.heartbeat_state() if loop else (policy.version, "trainer (final weights)")))
     watch_task = asyncio.create_task(watcher.run())
-    guard_task = asyncio.create_task(watch_router_workers(router_url, api_key, server_urls))
+    guard_task = asyncio.create_task(watch_router_workers(router_url, api_key, server_urls) if pool is None
+                                     else asyncio.Event().wait())  # a pool's front guards its own servers
     evaluator, eval_task = start_evaluation(run, recipe, env, router_url, api_key, policy, start_step)
     try:
         if start_step < end_step:
@@ -195,6 +201,10 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
         await asyncio.gather(monitor_task, watch_task, guard_task, return_exceptions=True)
         monitor.forwarder.close()
         await close()
+
+
+async def _nothing() -> None:
+    return None
 
 
 def start_evaluation(run: RunDir, recipe, env, router_url: str, api_key: str, policy, start_step: int):
@@ -284,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = validate(run.recipe_data())
         placement = Placement.from_dict(json.loads((run.configs / "placement.json").read_text()))
+        if recipe.deployment.inference_pool:
+            return _orchestrate_in_pool(run, recipe)
         try:
             admin_token, api_key = run.admin_token(), run.api_key()
         except FileNotFoundError as exc:
@@ -297,16 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             raise OrchestratorError(str(exc)) from None
         run.announce("router", "0", {"url": router.url, "pid": router.proc.pid, "host": ROUTER_HOST})
         log(f"router {router.url} ({recipe.router.policy}) in front of {len(urls)} server(s)")
-        try:
-            import uvloop
-
-            uvloop.install()
-        except ImportError:
-            pass
-        asyncio.run(orchestrate(run, recipe, router.url, urls, admin_token, api_key))
-        atomic_write_json(run.done, {"time": time.time(), "by": "orchestrator",
-                                              "steps": recipe.orchestrator.max_steps})
-        log("DONE")
+        _run_loop(orchestrate(run, recipe, router.url, urls, admin_token, api_key))
+        _finish(run, recipe)
         return 0
     except RecipeError as exc:
         print(f"orchestrator: error: {exc}", file=sys.stderr)
@@ -317,6 +321,46 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if router is not None:
             router.stop()
+
+
+def _run_loop(main) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(main)
+
+
+def _finish(run: RunDir, recipe) -> None:
+    atomic_write_json(run.done, {"time": time.time(), "by": "orchestrator", "steps": recipe.orchestrator.max_steps})
+    log("DONE")
+
+
+def _orchestrate_in_pool(run: RunDir, recipe) -> int:
+    """The run's requests and weight updates go through the shared pool's front (pool_attach.py)."""
+    from rlctl.orchestrator.pool_attach import PoolUnavailable, open_session
+
+    import signal
+
+    # a cancelled run detaches (the `finally` below) before the launcher's KILL: SIGTERM exits like ^C
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    name = recipe.deployment.inference_pool
+    try:
+        session = open_session(run, name)
+    except PoolUnavailable as exc:
+        raise OrchestratorError(str(exc)) from None
+    run.announce("router", "0", {"url": session.url, "pool": name})
+    log(f"attached to pool {name} at {session.front}")
+    try:
+        _run_loop(orchestrate(run, recipe, session.url, [], "", session.api_key, pool=session))
+    except PoolUnavailable as exc:
+        raise OrchestratorError(str(exc)) from None
+    finally:
+        session.detach()
+    _finish(run, recipe)
+    return 0
 
 
 if __name__ == "__main__":

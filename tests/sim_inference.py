@@ -28,6 +28,12 @@ def token_for(version: int) -> int:
     return TOKEN_BASE + version
 
 
+def _step_of(path: Path) -> int:
+    """`.../step_N` -> N; any other weights (a pool's base model) -> 0."""
+    name = path.name
+    return int(name.split("_")[1]) if name.startswith("step_") else 0
+
+
 class SimServer:
     def __init__(self, token_delay: float, token: str | None, request_overhead: float = 0.0,
                  reload_delay: float = 0.0, max_concurrent: int = 0, api_key: str | None = None):
@@ -41,6 +47,7 @@ class SimServer:
         self.resumed.set()
         self.completed = Counter()  # X-Request-Id -> finished streams
         self.salts = Counter()
+        self.adapters: dict[str, int] = {}  # LoRA adapter name -> its version
         self.active = 0
         self.peak_active = 0
         # A capacity model for benchmarks: at most this many requests generate at once (0 = unlimited).
@@ -79,7 +86,7 @@ class SimServer:
                 for step in range(max_tokens):
                     await asyncio.sleep(delay)
                     await self.resumed.wait()  # pause(mode=keep): requests freeze, then continue
-                    v = self.version
+                    v = self.adapters.get(body.get("model"), self.version)
                     events = []
                     for i in range(n):
                         choice = {"index": i, "text": chr(ord("a") + v % 26), "token_ids": [token_for(v)],
@@ -119,8 +126,24 @@ class SimServer:
         if self.reload_delay:
             await asyncio.sleep(self.reload_delay)
         step_dir = Path(body["args"][0])
-        self.version = int(step_dir.name.split("_")[1])
+        self.version = _step_of(step_dir)
         return web.json_response({"results": [{"total_s": time.perf_counter() - start, "step_dir": str(step_dir)}]})
+
+    async def load_lora(self, request):
+        """`/v1/load_lora_adapter`: the adapter's version is its step (requests naming it generate it)."""
+        from aiohttp import web
+
+        if not self._authorized(request):
+            return web.json_response({"error": "unauthorized"}, status=401)
+        body = await request.json()
+        self.adapters[body["lora_name"]] = _step_of(Path(body["lora_path"]))
+        return web.json_response({})
+
+    async def unload_lora(self, request):
+        from aiohttp import web
+
+        self.adapters.pop((await request.json())["lora_name"], None)
+        return web.json_response({})
 
     async def stats(self, request):
         from aiohttp import web
@@ -142,6 +165,7 @@ async def _main(args) -> None:
     app = web.Application()
     app.add_routes([web.post("/v1/completions", sim.completions), web.post("/pause", sim.pause),
                     web.post("/resume", sim.resume), web.post("/collective_rpc", sim.rpc),
+                    web.post("/v1/load_lora_adapter", sim.load_lora), web.post("/v1/unload_lora_adapter", sim.unload_lora),
                     web.get("/stats", sim.stats), web.get("/health", sim.health), web.get("/v1/models", sim.models)])
     runner = web.AppRunner(app, handle_signals=True, access_log=None)
     await runner.setup()

@@ -23,7 +23,7 @@ FOLDERS = {"cli": "rlctl.cli", "launchers": "rlctl.launchers", "trainer": "rlctl
 FOUNDATION = {"rlctl.recipes.base", "rlctl.recipes.errors", "rlctl.recipes.calibration"}
 EXCHANGE = "rlctl.orchestrator.exchange"
 ENTRY_POINTS = {"rlctl.trainer.__main__", "rlctl.trainer.train", "rlctl.inference.__main__",
-                "rlctl.orchestrator.__main__"}
+                "rlctl.orchestrator.__main__", "rlctl.inference.pool_service"}
 COMPONENTS = ("rlctl.trainer", "rlctl.inference", "rlctl.orchestrator")
 LAYER_NAMES = ["foundation", "components", "recipes", "entry points", "launchers", "cli"]
 

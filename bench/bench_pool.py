@@ -1,0 +1,107 @@
+"""Two LoRA runs sharing one inference pool vs the same two runs one after the other, each with its own server.
+
+    python bench/bench_pool.py [--steps 120] [--recipe recipes/tiny-lora-cpu.toml] [--out DIR]
+
+isolated: `rlctl launch RECIPE --wait` twice in a row (each run starts, uses and stops its own vLLM
+          CPU server); wall = the sum of both.
+pooled:   `rlctl pool launch RECIPE -o inference.max_loras=2`, then both runs at once with
+          `-o deployment.inference_pool=NAME --wait`; wall = from the pool's launch until both ended
+          (the pool's start-up counts, as each isolated run's server start-up does).
+Same resources: one vLLM server at a time either way, the same machine. Prints both walls and their
+ratio, each run's final reward (mean of its last 5 steps), each isolated run's inference idle
+fraction (the orchestrator's `wait_policy_s` over its step time, all steps) and the pool's idle
+fraction (no request in flight and no reload, since the first attach).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
+
+
+def rlctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([*RLCTL, *args], capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise SystemExit(f"rlctl {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def orchestrator_records(run: Path) -> list[dict]:
+    path = run / "metrics" / "orchestrator.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def final_reward(run: Path) -> float:
+    rewards = [r["reward_mean"] for r in orchestrator_records(run)]
+    return sum(rewards[-5:]) / len(rewards[-5:])
+
+
+def inference_idle(run: Path) -> float:
+    recs = orchestrator_records(run)
+    return sum(r["wait_policy_s"] for r in recs) / sum(r["orchestrator_step_time_s"] for r in recs)
+
+
+def launch(root: Path, recipe: str, name: str, steps: int, *extra: str) -> list[str]:
+    args = [*RLCTL, "launch", recipe, "--name", name, "-o", f"deployment.output_dir={root}",
+            "-o", f"orchestrator.max_steps={steps}", *extra, "--wait"]
+    return args
+
+
+def isolated(root: Path, recipe: str, steps: int) -> float:
+    t0 = time.monotonic()
+    for name in ("iso-a", "iso-b"):
+        out = subprocess.run(launch(root, recipe, name, steps), capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"isolated run {name} failed:\n{out.stdout}\n{out.stderr}")
+    return time.monotonic() - t0
+
+
+def pooled(root: Path, recipe: str, steps: int) -> tuple[float, dict]:
+    t0 = time.monotonic()
+    rlctl("pool", "launch", recipe, "--name", "bench", "-o", f"deployment.output_dir={root}",
+          "-o", "inference.max_loras=2")
+    try:
+        while not json.loads(rlctl("pool", "show", "bench", "--root", str(root), "--json").stdout)["url"]:
+            time.sleep(1)
+        procs = [subprocess.Popen(launch(root, recipe, name, steps, "-o", "deployment.inference_pool=bench"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for name in ("pool-a", "pool-b")]
+        for proc in procs:
+            out = proc.communicate()[0]
+            if proc.returncode != 0:
+                raise SystemExit(f"pooled run failed:\n{out}")
+        took = time.monotonic() - t0
+        stats = json.loads(rlctl("pool", "show", "bench", "--root", str(root), "--json").stdout)["stats"]
+    finally:
+        rlctl("pool", "stop", "bench", "--root", str(root), check=False)
+    return took, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-lora-cpu.toml"))
+    parser.add_argument("--out", default=None, help="Output root (default: a temporary directory).")
+    args = parser.parse_args()
+    root = Path(args.out or tempfile.mkdtemp(prefix="bench_pool_")).absolute()
+    iso_s = isolated(root, args.recipe, args.steps)
+    pool_s, stats = pooled(root, args.recipe, args.steps)
+    print(f"{args.steps} steps per run, output root {root}")
+    print(f"isolated, one after the other: {iso_s:7.1f} s   final rewards "
+          f"{final_reward(root / 'iso-a'):.3f} {final_reward(root / 'iso-b'):.3f}   inference idle "
+          f"{inference_idle(root / 'iso-a'):.0%} {inference_idle(root / 'iso-b'):.0%}")
+    print(f"pooled, both at once:          {pool_s:7.1f} s   final rewards "
+          f"{final_reward(root / 'pool-a'):.3f} {final_reward(root / 'pool-b'):.3f}   pool idle "
+          f"{stats['idle_fraction']:.0%}")
+    print(f"pooled / isolated wall: {pool_s / iso_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""`rlctl pool launch|list|show|stop`: shared inference pools that several runs attach to."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from rlctl.cli.common import print_json, user_errors
+
+pool_app = typer.Typer(help="Shared inference pools (one set of vLLM servers serving several runs).",
+                       no_args_is_help=True, rich_markup_mode=None)
+
+ROOT_HELP = "Output root the pools live under (<root>/pools/; default: $RLCTL_OUTPUT_DIR, else ./runs)."
+
+
+def _root(root: Optional[Path], profile: Optional[str]) -> Path:
+    from rlctl.launchers.status import default_root
+
+    return (root if root is not None else default_root(profile)).expanduser().absolute()
+
+
+def _render(info: dict) -> None:
+    typer.echo(f"pool {info['name']}: {info['state']}  {info['mode']} runs of {info['model']} on "
+               f"{info['servers']} server(s)  {info['url'] or ''}".rstrip())
+    stats = info.get("stats")
+    if not stats:
+        return
+    idle = stats.get("idle_fraction")
+    typer.echo(f"  idle {idle:.0%} of {stats['uptime_s']:.0f} s since the first attach  in flight {stats['inflight']}  "
+               f"residency switches {stats['switches']} ({stats['switch_s']:.1f} s)" if idle is not None
+               else "  no run attached yet")
+    total = sum(r["service_s"] for r in stats["runs"].values()) or 1.0
+    for name, r in stats["runs"].items():
+        typer.echo(f"  run {name}: {r['requests']} requests  share {r['service_s'] / total:.0%}  queued {r['queued']}  "
+                   f"waited {r['wait_s']:.1f} s")
+
+
+@user_errors
+def launch_cmd(
+    recipes: List[str] = typer.Argument(..., help="Recipe TOML files (or built-in names) whose [model] and [inference] the pool serves."),
+    name: Optional[str] = typer.Option(None, "--name", help="Pool name runs attach by (default: the recipe's name)."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", "-c", help="Cluster profile; overrides cluster.profile."),
+    override: List[str] = typer.Option([], "--override", "-o", help="key.path=value override (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Start a pool: the recipe's inference servers and the pool's front, as one job (or local processes)."""
+    from rlctl.launchers.pool import launch_pool
+
+    result = launch_pool(recipes, override, cluster=cluster, name=name)
+    summary = {"name": result.name, "pool_dir": str(result.run.root), "scheduler": result.scheduler,
+               "job_id": result.job_id, "supervisor_pid": result.supervisor_pid, "attempt": result.attempt}
+    if as_json:
+        print_json(summary)
+        return
+    where = f"job id {result.job_id}" if result.job_id else f"local supervisor pid {result.supervisor_pid}"
+    typer.echo(f"pool {result.name} starting ({where}): {result.run.root}")
+    typer.echo(f"attach a run with -o deployment.inference_pool={result.name}; `rlctl pool show {result.name}` "
+               "says when it serves")
+
+
+@user_errors
+def list_cmd(root: Optional[Path] = typer.Option(None, "--root", help=ROOT_HELP),
+             profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
+             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List the pools under an output root with their state and attached runs."""
+    from rlctl.launchers.pool import list_pools
+
+    pools = list_pools(_root(root, profile))
+    if as_json:
+        print_json(pools)
+        return
+    if not pools:
+        typer.echo(f"no pools under {_root(root, profile) / 'pools'}")
+    for info in pools:
+        runs = ", ".join((info.get("stats") or {}).get("runs", {})) or "-"
+        typer.echo(f"{info['name']:<24} {info['state']:<10} {info['mode']:<5} {info['model']}  runs: {runs}")
+
+
+@user_errors
+def show_cmd(pool: str = typer.Argument(..., help="Pool name (or its directory)."),
+             root: Optional[Path] = typer.Option(None, "--root", help=ROOT_HELP),
+             profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
+             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """A pool's state, endpoint, idle fraction, residency switches and each run's share and queue."""
+    from rlctl.launchers.pool import describe_pool, resolve_pool
+
+    info = describe_pool(resolve_pool(pool, _root(root, profile)))
+    if as_json:
+        print_json(info)
+    else:
+        _render(info)
+
+
+@user_errors
+def stop_cmd(pool: str = typer.Argument(..., help="Pool name (or its directory)."),
+             root: Optional[Path] = typer.Option(None, "--root", help=ROOT_HELP),
+             profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
+             timeout: float = typer.Option(60.0, help="Seconds to wait until everything has stopped.")) -> None:
+    """Stop a pool's servers and front; runs still attached to it fail (their checkpoints stay)."""
+    from rlctl.launchers.control import cancel_run
+    from rlctl.launchers.pool import resolve_pool
+
+    typer.echo(cancel_run(resolve_pool(pool, _root(root, profile)), timeout))
+
+
+def register(app: typer.Typer) -> None:
+    pool_app.command("launch")(launch_cmd)
+    pool_app.command("list")(list_cmd)
+    pool_app.command("show")(show_cmd)
+    pool_app.command("stop")(stop_cmd)
+    app.add_typer(pool_app, name="pool")

@@ -1,0 +1,102 @@
+"""A shared inference pool end to end: `rlctl pool launch` one vLLM CPU server for full-weight runs of
+tiny-qwen3, two tiny-cpu runs attached to it (`deployment.inference_pool`) take turns on it with
+residency switches and both learn, a third run cancelled midway leaves them and the pool running, and
+`rlctl pool stop` leaves nothing behind. One pool and one pair of runs, shared by every check."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from e2e_checks import RLCTL, learning_report, leftover_processes, metrics
+
+pytestmark = pytest.mark.slow
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.toml")
+POOL = "shared"
+PAIR = ("left", "right")
+
+
+def rlctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def pool_show(root: Path) -> dict:
+    out = rlctl("pool", "show", POOL, "--root", str(root), "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def launch_attached(root: Path, name: str, *overrides: str, wait: bool = True) -> subprocess.Popen:
+    extra = [arg for o in overrides for arg in ("-o", o)]
+    return subprocess.Popen([*RLCTL, "launch", RECIPE, "--name", name, "-o", f"deployment.output_dir={root}",
+                             "-o", f"deployment.inference_pool={POOL}", *extra, *(["--wait"] if wait else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def pool_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pool")
+    started = rlctl("pool", "launch", RECIPE, "--name", POOL, "-o", f"deployment.output_dir={root}", "--json")
+    assert started.returncode == 0, started.stderr
+    try:
+        wait_for(lambda: pool_show(root)["url"], 600, "the pool's front")
+        t0 = time.monotonic()
+        pair = {name: launch_attached(root, name) for name in PAIR}
+        # a third run, cancelled once it is served: the pair and the pool go on
+        doomed = launch_attached(root, "doomed", "orchestrator.max_steps=500", wait=False)
+        assert doomed.wait(timeout=120) == 0, doomed.stdout.read()
+        wait_for(lambda: len(metrics(root / "doomed")[1]) >= 2, 600, "the cancelled run's first steps", 0.5)
+        cancelled = rlctl("cancel", str(root / "doomed"))
+        after_cancel = pool_show(root)
+        outs = {name: proc.communicate(timeout=1500)[0] for name, proc in pair.items()}
+        took = time.monotonic() - t0
+        finished = pool_show(root)
+    finally:
+        stopped = rlctl("pool", "stop", POOL, "--root", str(root))
+    return SimpleNamespace(root=root, pair=pair, outs=outs, took=took, cancelled=cancelled,
+                           after_cancel=after_cancel, finished=finished, stopped=stopped)
+
+
+def test_both_runs_learn_on_the_shared_server(pool_runs):
+    for name in PAIR:
+        assert pool_runs.pair[name].returncode == 0, pool_runs.outs[name]
+        trainer, orch = metrics(pool_runs.root / name)
+        rewards = [r["reward_mean"] for r in orch]
+        assert len(rewards) == 80 and rewards[0] < 0.2, rewards[:5]
+        assert sum(rewards[-5:]) / 5 >= 0.8, f"{name} did not end >= 0.8:\n{learning_report(trainer, orch)}"
+    stats = pool_runs.finished["stats"]
+    print(f"pool pair: {pool_runs.took:.0f}s wall for both, {stats['switches']} residency switches "
+          f"({stats['switch_s']:.1f}s), pool idle {stats['idle_fraction']:.0%}")
+
+
+def test_they_took_turns_with_residency_switches(pool_runs):
+    stats = pool_runs.finished["stats"]
+    assert stats["mode"] == "full" and stats["switches"] >= 2, stats
+    assert not stats["runs"], "finished runs detach from the pool"
+
+
+def test_cancelling_one_run_leaves_the_others_and_the_pool(pool_runs):
+    assert pool_runs.cancelled.returncode == 0, pool_runs.cancelled.stderr
+    assert pool_runs.after_cancel["state"] == "running"
+    assert pool_runs.finished["state"] == "running" and pool_runs.finished["url"]
+
+
+def test_stop_leaves_nothing_behind(pool_runs):
+    assert pool_runs.stopped.returncode == 0, pool_runs.stopped.stderr
+    assert pool_show(pool_runs.root)["state"] == "cancelled"
+    pool_dir = pool_runs.root / "pools" / POOL
+    for run in (pool_dir, *(pool_runs.root / n for n in (*PAIR, "doomed"))):
+        assert not leftover_processes(run), leftover_processes(run)
