@@ -1,0 +1,87 @@
+"""`rlctl pool` and `deployment.inference_pool` on bad input: one line naming the key, exit 2, nothing
+started; and what a run may attach to (launchers/attach.check_attachable) against a pool's announcement."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlctl.launchers import attach
+from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.load import compose, validate
+
+RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def rlctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, timeout=120)
+
+
+def one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_attaching_to_a_pool_that_is_not_there(tmp_path):
+    out = rlctl("launch", str(RECIPES / "tiny-cpu.toml"), "-o", f"deployment.output_dir={tmp_path}",
+                "-o", "deployment.inference_pool=nope", "--dry-run")
+    one_line_error(out, "deployment.inference_pool", "no pool 'nope'")
+    assert not any(tmp_path.iterdir()), "nothing is created for a refused launch"
+
+
+def test_pool_names_and_commands_on_bad_input(tmp_path):
+    one_line_error(rlctl("launch", str(RECIPES / "tiny-cpu.toml"), "-o", "deployment.inference_pool=../x",
+                         "--dry-run"), "deployment.inference_pool")
+    one_line_error(rlctl("pool", "show", "nope", "--root", str(tmp_path)), "no pool 'nope'")
+    one_line_error(rlctl("pool", "stop", "nope", "--root", str(tmp_path)), "no pool 'nope'")
+    one_line_error(rlctl("pool", "launch", str(RECIPES / "tiny-cpu.toml"), "--name", "bad/name",
+                         "-o", f"deployment.output_dir={tmp_path}"), "--name")
+    listed = rlctl("pool", "list", "--root", str(tmp_path), "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == []
+
+
+@pytest.fixture
+def running_pool(tmp_path, monkeypatch):
+    """A pool directory whose front announced itself, taken as running."""
+    pool = RunDir(tmp_path / "pools" / "p")
+    pool.create()
+    pool.manifest.write_text("{}")
+    announcement = {"url": "http://127.0.0.1:1", "mode": "full", "model": "tiny-qwen3", "build_seed": 0,
+                    "lora_rank": 0, "max_model_len": 64}
+    pool.announce("pool", "0", announcement)
+    from rlctl.launchers import status
+
+    monkeypatch.setattr(status, "run_state", lambda _root: type("S", (), {"state": "running"})())
+    return tmp_path, pool, announcement
+
+
+def recipe(*overrides: str):
+    return validate(compose([str(RECIPES / "tiny-cpu.toml")], ["deployment.inference_pool=p", *overrides]))
+
+
+def test_what_may_attach(running_pool):
+    root, pool, announcement = running_pool
+    attach.check_attachable(recipe(), root)  # the same model, full weights, fits
+    refusals = {
+        "model.name": recipe("model.name=tiny-qwen3-lora"),
+        "trainer.lora.rank": recipe("trainer.lora.rank=8"),
+        "inference.max_model_len": recipe("inference.max_model_len=128"),
+        "weights.transport": recipe("weights.transport=broadcast"),
+    }
+    for key, bad in refusals.items():
+        with pytest.raises(RecipeError) as err:
+            attach.check_attachable(bad, root)
+        assert err.value.key == key, (key, str(err.value))
+    pool.announce("pool", "0", {**announcement, "mode": "lora", "lora_rank": 8})
+    attach.check_attachable(recipe("trainer.lora.rank=8"), root)
+    with pytest.raises(RecipeError) as err:
+        attach.check_attachable(recipe("trainer.lora.rank=16"), root)
+    assert err.value.key == "trainer.lora.rank" and "up to rank 8" in str(err.value)
