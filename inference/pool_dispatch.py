@@ -64,6 +64,10 @@ class Replica:
     """A residency switch or reload is in progress: nothing new is sent to it."""
 
 
+class PoolFull(RuntimeError):
+    """A LoRA pool already serves `inference.max_loras` runs (message: one line)."""
+
+
 class PoolDispatcher:
     def __init__(self, clients: list[InferenceClient], mode: str, slots: int, max_loras: int = 1,
                  base_dir: str = ""):
@@ -71,7 +75,7 @@ class PoolDispatcher:
         published yet."""
         if mode not in MODES:
             raise ValueError(f"pool mode {mode!r}: allowed {', '.join(MODES)}")
-        self.mode, self.base_dir = mode, base_dir
+        self.mode, self.base_dir, self.max_loras = mode, base_dir, max_loras
         self.replicas = [Replica(i, c, slots) for i, c in enumerate(clients)]
         # LoRA: every adapter up to max_loras resident at once; full weight: one run's weights per server
         capacity = float(max_loras) if mode == "lora" else 1.0
@@ -87,6 +91,9 @@ class PoolDispatcher:
 
     # -- runs ---------------------------------------------------------------------------------------
     def attach(self, name: str, run_dir: str) -> PoolRun:
+        if name not in self.runs and self.mode == "lora" and len(self.runs) >= self.max_loras:
+            raise PoolFull(f"the pool serves {len(self.runs)} LoRA runs already, as many as its servers hold "
+                           f"adapters (inference.max_loras={self.max_loras}); relaunch it with more")
         if name not in self.runs:
             if self.started is None:
                 self.started = time.monotonic()

@@ -32,7 +32,7 @@ from pathlib import Path
 from aiohttp import ClientSession, ClientTimeout, web
 
 from rlctl.inference.client import InferenceClient
-from rlctl.inference.pool_dispatch import PoolDispatcher
+from rlctl.inference.pool_dispatch import PoolDispatcher, PoolFull
 from rlctl.inference.server import free_port
 from rlctl.orchestrator.exchange.files import atomic_write_json
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat
@@ -97,7 +97,10 @@ class PoolFront:
 
     async def attach(self, request: web.Request) -> web.Response:
         body = await request.json()
-        run = self.dispatcher.attach(request.match_info["run"], str(body.get("run_dir", "")))
+        try:
+            run = self.dispatcher.attach(request.match_info["run"], str(body.get("run_dir", "")))
+        except PoolFull as exc:
+            return web.json_response({"error": str(exc)}, status=409)
         return web.json_response({"run": run.name, "mode": self.dispatcher.mode})
 
     async def detach(self, request: web.Request) -> web.Response:

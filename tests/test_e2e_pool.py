@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from e2e_checks import RLCTL, learning_report, leftover_processes, metrics
+from e2e_checks import RLCTL, learning_report, leftover_processes, metrics, wait_for
 
 pytestmark = pytest.mark.slow
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.toml")
@@ -29,16 +29,6 @@ def pool_show(root: Path) -> dict:
     return json.loads(out.stdout)
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-
-
 def launch_attached(root: Path, name: str, *overrides: str, wait: bool = True) -> subprocess.Popen:
     extra = [arg for o in overrides for arg in ("-o", o)]
     return subprocess.Popen([*RLCTL, "launch", RECIPE, "--name", name, "-o", f"deployment.output_dir={root}",
@@ -52,7 +42,7 @@ def pool_runs(tmp_path_factory):
     started = rlctl("pool", "launch", RECIPE, "--name", POOL, "-o", f"deployment.output_dir={root}", "--json")
     assert started.returncode == 0, started.stderr
     try:
-        wait_for(lambda: pool_show(root)["url"], 600, "the pool's front")
+        wait_for(lambda: pool_show(root)["url"], 600, "the pool's front", 1.0)
         t0 = time.monotonic()
         pair = {name: launch_attached(root, name) for name in PAIR}
         # a third run, cancelled once it is served: the pair and the pool go on

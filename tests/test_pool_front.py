@@ -21,7 +21,7 @@ ADMIN, KEY = "admin-token", "pool-key"
 @contextlib.asynccontextmanager
 async def front(urls: list[str], mode: str, slots: int = 64):
     clients = [InferenceClient(u, ADMIN) for u in urls]
-    dispatcher = PoolDispatcher(clients, mode, slots, max_loras=4, base_dir="/pool/cache/base_weights")
+    dispatcher = PoolDispatcher(clients, mode, slots, max_loras=2, base_dir="/pool/cache/base_weights")
     runner = web.AppRunner(PoolFront(dispatcher, KEY, urls).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -100,6 +100,8 @@ def test_lora_runs_share_a_server_at_once_each_with_its_adapter():
                     assert set(got) == {token_for(2 if i % 2 == 0 else 7)}, (i, got)
                 assert dispatcher.switches == 0
                 assert fetch_stats(url)["peak_active"] >= 2  # served together, not by turns
+                full = await http.post("/runs/c/attach", json={"run_dir": "/runs/c"})  # max_loras=2 here
+                assert full.status_code == 409 and "inference.max_loras=2" in full.text
                 await http.post("/runs/a/detach")
                 assert "a" not in dispatcher.runs
                 missing = await http.post("/runs/a/v1/completions", json={"prompt": "x", "max_tokens": 1})
