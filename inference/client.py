@@ -21,6 +21,9 @@ RELOAD_METHOD = "rlctl_reload"  # ReloadExtension method run on every worker via
 RECEIVE_METHOD = "rlctl_receive"  # the same for the broadcast transport (weights_receiver.py)
 
 
+KEEPALIVE_S = 2.0  # below uvicorn's default keep-alive timeout (5 s), which vLLM's servers use
+
+
 class InferenceError(RuntimeError):
     """A server answered with an error (or not at all); the message names the server and route."""
 
@@ -104,7 +107,9 @@ class InferenceClient:
         if self._http is None:
             self._http = httpx.AsyncClient(
                 base_url=self.url, timeout=self.timeout_s, headers={"Authorization": f"Bearer {self.token}"},
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                # idle connections are dropped here before vLLM's uvicorn drops them (after 5 s), so a
+                # request never goes out on one the server is closing
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S),
             )
         return self._http
 
@@ -120,10 +125,19 @@ class InferenceClient:
         await self.aclose()
 
     async def _request(self, method: str, route: str, **kw) -> httpx.Response:
-        try:
-            resp = await self.http.request(method, route, **kw)
-        except httpx.HTTPError as e:
-            raise InferenceError(f"{self.url}{route}: {type(e).__name__}: {e}") from e
+        """One call; an admin call is sent once more on a fresh connection when the server had just
+        closed the kept-alive one it went out on (uvicorn closes idle ones after 5 s, and after an
+        HTTP 500): it was never read, and every admin route is idempotent. A completion is not
+        repeated: its failure is the caller's to handle."""
+        for attempt in (1, 2):
+            try:
+                resp = await self.http.request(method, route, **kw)
+                break
+            except httpx.RemoteProtocolError as e:
+                if attempt == 2 or route.startswith("/v1/completions"):
+                    raise InferenceError(f"{self.url}{route}: {type(e).__name__}: {e}") from e
+            except httpx.HTTPError as e:
+                raise InferenceError(f"{self.url}{route}: {type(e).__name__}: {e}") from e
         if resp.status_code >= 400:
             raise InferenceError(f"{self.url}{route}: HTTP {resp.status_code}: {resp.text[:300]}")
         return resp
@@ -152,13 +166,7 @@ class InferenceClient:
         await self._request("POST", "/pause", params=params)
 
     async def resume(self) -> None:
-        """Resume, once more on a fresh connection if the first attempt finds it dropped: after an
-        admin route failed (HTTP 500), the server closes that keep-alive connection, and a resume sent
-        on it would never arrive and leave the server paused. Resuming twice is harmless."""
-        try:
-            await self._request("POST", "/resume")
-        except InferenceError:
-            await self._request("POST", "/resume")
+        await self._request("POST", "/resume")
 
     async def is_paused(self) -> bool:
         return bool((await self._request("GET", "/is_paused")).json()["is_paused"])

@@ -76,7 +76,13 @@ class PoolFront:
         return app
 
     async def _open(self, _app) -> None:
-        self.http = ClientSession(timeout=ClientTimeout(total=None, sock_connect=30))
+        from aiohttp import TCPConnector
+
+        from rlctl.inference.client import KEEPALIVE_S
+
+        # no request on a kept-alive connection the server is closing (see client.KEEPALIVE_S)
+        self.http = ClientSession(timeout=ClientTimeout(total=None, sock_connect=30),
+                                  connector=TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
 
     async def _close(self, _app) -> None:
         if self.http is not None:
