@@ -205,6 +205,12 @@ class InferenceClient:
         took = time.perf_counter() - start
         return {"total_s": took, "rpc_s": took, "workers": 1}
 
+    async def unload_adapter(self, adapter: str) -> None:
+        """Drop LoRA adapter `adapter` from the server (frees its slot)."""
+        from rlctl.inference.lora_serving import UNLOAD_ROUTE
+
+        await self._request("POST", UNLOAD_ROUTE, json={"lora_name": adapter})
+
     async def load(self, step_dir: str, transport: str, servers: int, adapter: str = SERVED_MODEL_NAME) -> dict:
         """Load version `step_dir` by its transport: read it ('filesystem'), receive it ('broadcast') or
         swap in its adapter ('lora', under the name `adapter`)."""

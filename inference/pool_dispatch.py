@@ -118,11 +118,9 @@ class PoolDispatcher:
         for res in self.scheduler.replicas:
             res.hbm.pop(name, None)
         if self.mode == "lora" and run.adapter != SERVED_MODEL_NAME:
-            from rlctl.inference.lora_serving import UNLOAD_ROUTE
-
             for rep in self.replicas:  # frees its adapter slot; a failure only costs the slot
                 try:
-                    await rep.client._request("POST", UNLOAD_ROUTE, json={"lora_name": run.adapter})
+                    await rep.client.unload_adapter(run.adapter)
                 except Exception as exc:  # noqa: BLE001 - logged, the pool goes on
                     log.warning("unloading %s from server %d: %s", run.adapter, rep.index, exc)
         log.info("run %s detached after %d requests", name, run.requests)

@@ -152,25 +152,6 @@ class PoolFront:
             return response
 
 
-def wait_for_servers(run: RunDir, count: int, timeout_s: float, stop: asyncio.Event | None = None) -> list[str]:
-    """URLs of the pool's `count` servers once all announced (RuntimeError naming the dead ones)."""
-    deadline = time.monotonic() + timeout_s
-    heartbeat = Heartbeat(run, "orchestrator")
-    while True:
-        heartbeat.beat(0, waiting_for="inference servers")
-        found = sorted(run.announced("inference"), key=lambda s: int(s.get("index", 0)))
-        if len(found) >= count:
-            return [s["url"] for s in found[:count]]
-        dead = [p.stem for p in sorted(run.status.glob("inference.*.json"))
-                if json.loads(p.read_text() or "{}").get("state") == "exited"]
-        if dead:
-            raise RuntimeError(f"pool server(s) exited before announcing: {', '.join(dead)}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(found)}/{count} pool servers announced within {timeout_s:g} s "
-                               "(inference.startup_timeout_s)")
-        time.sleep(0.5)
-
-
 def ended_runs(dispatcher: PoolDispatcher) -> list[str]:
     """Attached runs that ended without detaching (killed): finished (DONE), or a local run whose
     supervisor has exited. A Slurm run detaches on its job's SIGTERM (orchestrator/__main__.py)."""
@@ -253,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = validate(run.recipe_data())
         placement = Placement.from_dict(json.loads((run.configs / "placement.json").read_text()))
-        urls = wait_for_servers(run, placement.inference_servers, recipe.inference.startup_timeout_s)
+        # the orchestrator's wait: the same announcements, dead-server check and log tails on failure
+        from rlctl.orchestrator.__main__ import wait_for_servers
+
+        urls = wait_for_servers(run, placement.inference_servers, int(os.environ.get("RLCTL_ATTEMPT", "0")),
+                                recipe.inference.startup_timeout_s)
     except RecipeError as exc:
         print(f"pool: error: {exc}", file=sys.stderr)
         return 2
