@@ -21,7 +21,7 @@ RELOAD_METHOD = "rlctl_reload"  # ReloadExtension method run on every worker via
 RECEIVE_METHOD = "rlctl_receive"  # the same for the broadcast transport (weights_receiver.py)
 
 
-KEEPALIVE_S = 2.0  # below uvicorn's default keep-alive timeout (5 s), which vLLM's servers use
+KEEPALIVE_S = 2.0  # below any server's keep-alive timeout (uvicorn's default is 5 s; ours, server.SERVER_KEEPALIVE_S)
 
 
 class InferenceError(RuntimeError):
@@ -107,8 +107,8 @@ class InferenceClient:
         if self._http is None:
             self._http = httpx.AsyncClient(
                 base_url=self.url, timeout=self.timeout_s, headers={"Authorization": f"Bearer {self.token}"},
-                # idle connections are dropped here before vLLM's uvicorn drops them (after 5 s), so a
-                # request never goes out on one the server is closing
+                # idle connections are dropped here before the server drops them, so a request never
+                # goes out on one the server is closing
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S),
             )
         return self._http
@@ -126,9 +126,9 @@ class InferenceClient:
 
     async def _request(self, method: str, route: str, **kw) -> httpx.Response:
         """One call; an admin call is sent once more on a fresh connection when the server had just
-        closed the kept-alive one it went out on (uvicorn closes idle ones after 5 s, and after an
-        HTTP 500): it was never read, and every admin route is idempotent. A completion is not
-        repeated: its failure is the caller's to handle."""
+        closed the kept-alive one it went out on (uvicorn closes idle ones after its keep-alive timeout,
+        and after an HTTP 500): it was never read, and every admin route is idempotent. A completion is
+        not repeated: its failure is the caller's to handle."""
         for attempt in (1, 2):
             try:
                 resp = await self.http.request(method, route, **kw)

@@ -30,6 +30,11 @@ from rlctl.inference.server import free_port
 from rlctl.inference.processes import (has_exited, own_group_dying_with_parent, python_module_argv,
                                        stop_process_group)
 
+# vllm-router's HTTP client keeps an idle connection to a server this long (its server.rs); the servers
+# keep theirs longer (server.SERVER_KEEPALIVE_S).
+POOL_IDLE_S = 50
+NEVER = 2**32 - 1  # a count vllm-router never reaches (its largest u32)
+
 ROUTER_HOST = "127.0.0.1"  # only the orchestrator, on this node, talks to the router
 KEY_CHECK_ROUTE = "/v1/models"  # cheap, and open to the api key on every server (auth.py)
 
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-urls", nargs="+", required=True)
     parser.add_argument("--key-check-url", action="append", required=True,
                         help="a request passes when one of these URLs answers 200 to its bearer (repeatable)")
+    parser.add_argument("--health-check-interval-s", type=int, default=60, help=argparse.SUPPRESS)  # tests
     args = parser.parse_args(argv)
     from vllm_router.router import policy_from_str
     from vllm_router_rs import Router
@@ -149,6 +155,14 @@ def main(argv: list[str] | None = None) -> int:
            api_key_validation_urls=args.key_check_url,
            # Workers are already healthy when the router starts; don't sleep 30 s between checks.
            worker_startup_check_interval=1,
+           # The breaker answers 503 for 60 s once ten requests to a server failed in two minutes: a
+           # burst of transient errors (each already retried here) would stall the whole run. A server
+           # that is really gone fails its component, which the launcher's supervision acts on.
+           disable_circuit_breaker=True,
+           # Its health check (every 60 s) marks a server that missed three 5 s deadlines in a row
+           # unhealthy, and the run then gets 503 for every request: a CI run was lost so, its server's
+           # event loop busy with streams on two CPUs. A dead server fails its component instead.
+           health_failure_threshold=NEVER, health_check_interval_secs=args.health_check_interval_s,
            prometheus_host=ROUTER_HOST, prometheus_port=args.prometheus_port).start()
     return 0
 

@@ -263,6 +263,13 @@ def share_compile_cache(tmpdir: str | Path, cache_dir: str | Path) -> None:
         pass  # the server then compiles into its own tmpdir, as before: slower, not wrong
 
 
+# How long a server keeps an idle connection open: longer than any of its clients keeps one (vllm-router
+# pools them for 50 s, router.POOL_IDLE_S; our httpx and aiohttp clients for 2 s), so a client always drops
+# an idle connection first. With vLLM's default (5 s) the router sent requests on connections the server
+# was closing; they failed before reaching vLLM, and ten in two minutes opened the router's circuit.
+SERVER_KEEPALIVE_S = 75
+
+
 def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key: str) -> dict[str, str]:
     """Environment additions of a server process: the two keys (see auth.py), caches inside the run
     dir, offline hub."""
@@ -277,6 +284,7 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
         "TMPDIR": str(cache / "tmp"),
         "TORCHINDUCTOR_CACHE_DIR": compile_cache_dir(),
         "VLLM_NO_USAGE_STATS": "1",  # no telemetry calls from compute nodes
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEPALIVE_S),
         # A SIGTERM during start-up can be swallowed by vLLM (see processes.py), leaving the server to wait
         # this long for its engine: never longer than the recipe lets a server start.
         "VLLM_ENGINE_READY_TIMEOUT_S": str(max(1, math.ceil(recipe.inference.startup_timeout_s))),

@@ -1,5 +1,5 @@
 """InferenceClient and a server that closes a kept-alive connection as a request arrives on it (vLLM's
-uvicorn closes idle ones after 5 s, and after an HTTP 500): an admin call goes out once more on a fresh
+uvicorn closes idle ones after its keep-alive timeout, and after an HTTP 500): an admin call goes out once more on a fresh
 connection; a completion is not repeated."""
 from __future__ import annotations
 
@@ -67,5 +67,11 @@ def test_a_completion_is_not_repeated_and_two_drops_fail():
     asyncio.run(main())
 
 
-def test_idle_connections_expire_before_the_servers_do():
-    assert KEEPALIVE_S < 5.0  # uvicorn's default timeout_keep_alive, which vLLM's servers keep
+def test_idle_connections_expire_at_every_client_before_the_servers_do(tmp_path):
+    from rlctl.inference.router import POOL_IDLE_S
+    from rlctl.inference.server import server_env
+    from rlctl.recipes.load import load_recipe
+
+    recipe = load_recipe(["tiny-cpu"])
+    server_keepalive = int(server_env(recipe, "cpu", tmp_path, "admin", "key")["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"])
+    assert KEEPALIVE_S < server_keepalive and POOL_IDLE_S < server_keepalive

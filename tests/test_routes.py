@@ -88,10 +88,12 @@ def test_middleware_needs_two_distinct_keys(monkeypatch, env):
 class RecordingServer:
     """A stand-in vLLM server that records the Authorization header of every request it gets.
     `/v1/...` answers 200 to the api key or the admin token (as auth.py does), 401 otherwise;
-    `hang_completions` holds completions open (an intruder that never answers)."""
+    `hang_completions` holds completions open (an intruder that never answers); `/health` answers 503
+    while `sick` is set."""
 
     def __init__(self, hang_completions: bool = False):
         self.seen: list[tuple[str, str, str | None]] = []
+        self.sick = False
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -100,6 +102,8 @@ class RecordingServer:
                 outer.seen.append((self.command, self.path, auth))
                 if self.path.startswith("/v1/") and auth not in (f"Bearer {API}", f"Bearer {ADMIN}"):
                     return self._send(401, {"error": "unauthorized"})
+                if self.path == "/health" and outer.sick:
+                    return self._send(503, {})
                 if self.path.startswith("/v1/completions") and hang_completions:
                     time.sleep(20)
                 self._send(200, {"object": "list", "data": [{"id": "policy"}], "choices": []})
@@ -150,6 +154,43 @@ def routed(tmp_path):
         router.stop()
         server.close()
         intruder.close()
+
+
+def test_failed_health_checks_do_not_take_the_runs_server_away(tmp_path):
+    """vllm-router marks a server that fails three health checks in a row unhealthy and then answers
+    every request 503 (a CI run was lost so, its server too busy to answer /health within 5 s): our
+    router never does; a server that is really gone fails its component instead."""
+    from rlctl.inference.processes import stop_process_group
+    from rlctl.inference.router import render_router_command
+    from rlctl.inference.server import free_port
+
+    server = RecordingServer()
+    port = free_port("127.0.0.1")
+    cmd = [*render_router_command([server.url], "round_robin", port, free_port("127.0.0.1")),
+           "--health-check-interval-s", "1"]
+    with open(tmp_path / "router.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    body = json.dumps({"model": "policy", "prompt": "a", "max_tokens": 1}).encode()
+
+    def complete() -> int:
+        try:
+            return post(f"http://127.0.0.1:{port}/v1/completions", API, body)
+        except urllib.error.URLError:  # not listening yet
+            return 0
+    try:
+        deadline = time.monotonic() + 60
+        while complete() != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "router.log").read_text()
+            time.sleep(0.2)
+        server.sick = True
+        deadline = time.monotonic() + 30
+        while sum(path == "/health" for _, path, _ in server.seen) < 8:  # well past three failures in a row
+            assert time.monotonic() < deadline, server.seen
+            time.sleep(0.2)
+        assert complete() == 200
+    finally:
+        stop_process_group(proc, 5.0)
+        server.close()
 
 
 def test_control_routes_refuse_an_unauthenticated_add_worker(routed):
