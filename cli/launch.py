@@ -115,6 +115,8 @@ def follow_run(result, as_json: bool) -> int:
             from rlctl.launchers.run_summary import stall_message
 
             typer.echo(f"run {final['name']} {stall_message(final)} (still running; `rlctl cancel` stops it)")
+        if rc != 0 and final.get("errors"):  # what failed, without opening the logs
+            typer.echo("last errors in the logs:\n" + "\n".join(f"  {e['file']}: {e['line']}" for e in final["errors"]))
         typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc}); logs: {result.run.logs / 'latest'}")
     return rc
 

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if smoke.get("fail_group") == group and int(smoke.get("fail_rank", 0)) == rank:
         time.sleep(float(smoke.get("fail_after_s", 0.0)))
-        print(f"smoke {group} rank {rank}: failing on purpose", flush=True)
+        print(f"smoke {group} rank {rank}: error: failing on purpose", flush=True)
         return int(smoke.get("exit_code", 3))
 
     steps = int(smoke.get("steps", 0))

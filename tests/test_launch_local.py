@@ -65,11 +65,15 @@ def test_local_run_follows_the_env_contract_with_logs_and_status(tmp_path):
 def test_a_failing_component_stops_the_others_after_the_grace_period(tmp_path):
     grace = 2
     t0 = time.monotonic()
-    out, run = launch(tmp_path, "--wait", "-o", "deployment.smoke.fail_group=inference", "-o",
-                      "deployment.smoke.fail_after_s=1", "-o", "deployment.smoke.run_s=600", "-o",
-                      f"deployment.grace_period_s={grace}")
+    out = rlctl("launch", SMOKE, *LOCAL, "-o", f"deployment.output_dir={tmp_path}", "--wait",
+                "-o", "deployment.smoke.fail_group=inference", "-o", "deployment.smoke.fail_after_s=1",
+                "-o", "deployment.smoke.run_s=600", "-o", f"deployment.grace_period_s={grace}")
     took = time.monotonic() - t0
     assert out.returncode == 3, out.stderr  # the failing component's exit code
+    # what failed is printed with the verdict, so a CI log says why without the run dir
+    assert ("last errors in the logs:\n  inference/inference.0.log: smoke inference rank 0: error: failing on purpose\n"
+            "run FAILED (exit code 3)") in out.stdout, out.stdout
+    run = Path(out.stdout.split("run dir:", 1)[1].split()[0])
     assert took < 30, took  # the others would otherwise hold for 600 s
     st = statuses(run)
     assert st["inference.inference.0"]["returncode"] == 3
