@@ -17,13 +17,44 @@ def _exit_code(state: str) -> int:
     return EXIT_OK if state == "completed" else EXIT_RUN_FAILED
 
 
-def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> Path:
+def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> tuple[Path, bool]:
+    """(directory, is it a pool): a run by path or name, else a pool by name (`rlctl pool list`)."""
+    from rlctl.launchers.pool import is_pool, resolve_pool
     from rlctl.launchers.status import RunNotFound, default_root, resolve_run
+    from rlctl.recipes.errors import RecipeError
 
+    base = root if root is not None else default_root(profile)
     try:
-        return resolve_run(run, root if root is not None else default_root(profile))
+        found = resolve_run(run, base)
+        return found, is_pool(found)
     except RunNotFound as e:
-        fail(str(e))
+        try:
+            return resolve_pool(run, base).root, True
+        except RecipeError:
+            fail(f"{e} (nor is it a pool: `rlctl pool list`)")
+
+
+def _pool(pool_dir: Path, once: bool, as_json: bool, interval: float) -> None:
+    """`rlctl monitor POOL`: the pool's share, queue and residency switches per attached run."""
+    from rich.console import Console
+
+    from rlctl.cli.pool_view import render_pool
+    from rlctl.launchers.pool import describe_pool
+    from rlctl.orchestrator.exchange.layout import RunDir
+
+    info = describe_pool(RunDir(pool_dir))
+    if as_json:
+        print_json(info)
+    elif once:
+        Console().print(render_pool(info))
+    else:
+        from rich.live import Live
+
+        with Live(render_pool(info), refresh_per_second=4, screen=False) as live:
+            while info["state"] in ("pending", "running"):
+                time.sleep(interval)
+                info = describe_pool(RunDir(pool_dir))
+                live.update(render_pool(info))
 
 
 def _snapshot(run_dir: Path):
@@ -131,7 +162,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @user_errors
     def monitor(
-        run: str = typer.Argument(..., help="Run directory, or a run name under the output root."),
+        run: str = typer.Argument(..., help="Run directory, or a run (or shared pool) name under the output root."),
         once: bool = typer.Option(False, "--once", help="Print the status once and exit."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON status object (implies --once unless --wait)."),
         wait: bool = typer.Option(False, "--wait", help="Block until the run ends: exit 0 if completed, 1 if failed/cancelled/lost or a component stalled."),
@@ -141,14 +172,19 @@ def register(app: typer.Typer) -> None:
         root: Optional[Path] = typer.Option(None, "--root", help="Output root to look up run names in (default ./runs)."),
         profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
     ) -> None:
-        """Show the state, progress and health of a run (live TUI by default)."""
+        """Show the state, progress and health of a run, or of a shared pool (live TUI by default)."""
         if not interval > 0:
             fail(f"--interval must be > 0 seconds, got {interval}")
         if timeout is not None and not timeout > 0:
             fail(f"--timeout must be > 0 seconds, got {timeout}")
         if plot is not None and plot.suffix.lower() != ".png":
             fail(f"--plot writes a PNG; the file name must end in .png, got {plot}")
-        run_dir = _resolve(run, root, profile)
+        run_dir, pool = _resolve(run, root, profile)
+        if pool:
+            if wait or plot is not None:
+                fail(f"{'--wait' if wait else '--plot'} follows a run; {run!r} is a shared pool, which serves until "
+                     "`rlctl pool stop` (allowed: --once, --json)")
+            return _pool(run_dir, once, as_json, interval)
         if wait:
             from rlctl.cli.follow import follow
 

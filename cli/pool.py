@@ -30,9 +30,8 @@ def _render(info: dict) -> None:
     typer.echo(f"  idle {idle:.0%} of {stats['uptime_s']:.0f} s since the first attach  in flight {stats['inflight']}  "
                f"residency switches {stats['switches']} ({stats['switch_s']:.1f} s)" if idle is not None
                else "  no run attached yet")
-    total = sum(r["service_s"] for r in stats["runs"].values()) or 1.0
     for name, r in stats["runs"].items():
-        typer.echo(f"  run {name}: {r['requests']} requests  share {r['service_s'] / total:.0%}  queued {r['queued']}  "
+        typer.echo(f"  run {name}: {r['requests']} requests  share {r['share']:.0%}  queued {r['queued']}  "
                    f"waited {r['wait_s']:.1f} s")
 
 

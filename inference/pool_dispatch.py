@@ -260,9 +260,11 @@ class PoolDispatcher:
         uptime = time.monotonic() - self.started if self.started is not None else 0.0
         busy = self.busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
         queues = self.scheduler.queues
+        served = sum(r.service_s for r in self.runs.values()) or 1.0  # shares of the attached runs' service
         return {"mode": self.mode, "servers": len(self.replicas), "uptime_s": round(uptime, 2),
                 "busy_s": round(busy, 2), "idle_fraction": round(1 - busy / uptime, 4) if uptime > 0 else None,
                 "switches": self.switches, "switch_s": round(self.switch_s, 3),
                 "inflight": sum(r.inflight for r in self.replicas),
                 "holders": [r.holder for r in self.replicas] if self.mode == "full" else None,
-                "runs": {n: r.summary(len(queues.get(n, ()))) for n, r in self.runs.items()}}
+                "runs": {n: {**r.summary(len(queues.get(n, ()))), "share": round(r.service_s / served, 4)}
+                         for n, r in self.runs.items()}}

@@ -16,7 +16,7 @@ from pathlib import Path
 from rlctl.launchers.attach import pools_root
 from rlctl.launchers.groups import JobGroup
 from rlctl.orchestrator.exchange.layout import RunDir
-from rlctl.orchestrator.pool_attach import PoolUnavailable, pool_endpoint
+from rlctl.orchestrator.pool_attach import POOLS_DIR, PoolUnavailable, pool_endpoint
 from rlctl.recipes.errors import RecipeError
 
 POOL_MODULE = "rlctl.inference.pool_service"
@@ -69,6 +69,11 @@ def resolve_pool(name: str, root: Path) -> RunDir:
         return RunDir(resolve_run(name, pools_root(root)))
     except RunNotFound:
         raise RecipeError(f"no pool {name!r} under {pools_root(root)} (see `rlctl pool list`)", key="POOL") from None
+
+
+def is_pool(run_dir: Path) -> bool:
+    """Whether a run directory is a pool's: pools live in `<output root>/pools/<name>`."""
+    return Path(run_dir).parent.name == POOLS_DIR
 
 
 def list_pools(root: Path) -> list[dict]:

@@ -5,6 +5,7 @@ residency switches and both learn, a third run cancelled midway leaves them and 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -51,13 +52,14 @@ def pool_runs(tmp_path_factory):
         wait_for(lambda: len(metrics(root / "doomed")[1]) >= 2, 600, "the cancelled run's first steps", 0.5)
         cancelled = rlctl("cancel", str(root / "doomed"))
         after_cancel = pool_show(root)
+        monitored = rlctl("monitor", POOL, "--root", str(root), "--once")
         outs = {name: proc.communicate(timeout=1500)[0] for name, proc in pair.items()}
         took = time.monotonic() - t0
         finished = pool_show(root)
     finally:
         stopped = rlctl("pool", "stop", POOL, "--root", str(root))
     return SimpleNamespace(root=root, pair=pair, outs=outs, took=took, cancelled=cancelled,
-                           after_cancel=after_cancel, finished=finished, stopped=stopped)
+                           after_cancel=after_cancel, monitored=monitored, finished=finished, stopped=stopped)
 
 
 def test_both_runs_learn_on_the_shared_server(pool_runs):
@@ -76,6 +78,15 @@ def test_they_took_turns_with_residency_switches(pool_runs):
     stats = pool_runs.finished["stats"]
     assert stats["mode"] == "full" and stats["switches"] >= 2, stats
     assert not stats["runs"], "finished runs detach from the pool"
+
+
+def test_monitor_shows_each_runs_share_and_queue(pool_runs):
+    out = pool_runs.monitored
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert f"pool {POOL} running full runs of tiny-qwen3" in text and "residency switches" in text, text
+    for name in PAIR:  # one row each: share, requests, queued, waited, the weights it is served with
+        assert re.search(rf"{name} \d+% \d+ \d+ [\d.]+ s (step_\d+|base model)", text), text
 
 
 def test_cancelling_one_run_leaves_the_others_and_the_pool(pool_runs):

@@ -53,13 +53,13 @@ def running_pool(tmp_path, monkeypatch):
     """A pool directory whose front announced itself, taken as running."""
     pool = RunDir(tmp_path / "pools" / "p")
     pool.create()
-    pool.manifest.write_text("{}")
+    pool.manifest.write_text(json.dumps({"recipe": {"model": {"name": "tiny-qwen3"}}, "plan": {"inference_servers": 1}}))
     announcement = {"url": "http://127.0.0.1:1", "mode": "full", "model": "tiny-qwen3", "build_seed": 0,
                     "lora_rank": 0, "max_model_len": 64}
     pool.announce("pool", "0", announcement)
     from rlctl.launchers import status
 
-    monkeypatch.setattr(status, "run_state", lambda _root: type("S", (), {"state": "running"})())
+    monkeypatch.setattr(status, "run_state", lambda _root: type("S", (), {"state": "running", "scheduler": "local", "job_id": None})())
     return tmp_path, pool, announcement
 
 
@@ -85,3 +85,26 @@ def test_what_may_attach(running_pool):
     with pytest.raises(RecipeError) as err:
         attach.check_attachable(recipe("trainer.lora.rank=16"), root)
     assert err.value.key == "trainer.lora.rank" and "up to rank 8" in str(err.value)
+
+
+def test_monitor_shows_a_pool_by_name_or_directory(running_pool, cli):
+    root, pool, announcement = running_pool
+    stats = {"mode": "full", "servers": 1, "uptime_s": 90.0, "busy_s": 81.0, "idle_fraction": 0.1, "switches": 7,
+             "switch_s": 2.5, "inflight": 3, "holders": ["left"],
+             "runs": {"left": {"run_dir": "x", "requests": 40, "queued": 2, "service_s": 30.0, "wait_s": 4.0,
+                               "adapter": "policy", "weights": "/r/left/weights/step_3", "share": 0.75},
+                      "right": {"run_dir": "y", "requests": 12, "queued": 0, "service_s": 10.0, "wait_s": 9.5,
+                                "adapter": "policy", "weights": None, "share": 0.25}}}
+    pool.announce("pool", "0", {**announcement, "stats": stats})
+    shown = cli("monitor", "p", "--root", root, "--once")
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert "pool p running full runs of tiny-qwen3 on 1 server(s)" in text and "idle 10%" in text, text
+    assert "residency switches 7" in text and "servers hold: 0=left" in text, text
+    assert "left 75% 40 2 4.0 s step_3" in text and "right 25% 12 0 9.5 s base model" in text, text
+    as_json = cli("monitor", pool.root, "--json")
+    assert as_json.exit_code == 0 and json.loads(as_json.output)["stats"]["runs"]["left"]["share"] == 0.75
+    refused = cli("monitor", "p", "--root", root, "--wait")
+    assert refused.exit_code == 2 and "--wait follows a run" in refused.output, refused.output
+    missing = cli("monitor", "nope", "--root", root, "--once")
+    assert missing.exit_code == 2 and "nor is it a pool" in missing.output, missing.output
