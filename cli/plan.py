@@ -55,7 +55,13 @@ def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibr
     if calibrate is not None:
         out = _calibrate(rec, profile, calibrate, calibration_out, as_json)
         profile = profile.model_copy(update={"calibration": str(out)})
-    report = plan(rec, profile)
+    pool = None
+    if rec.deployment.inference_pool:  # attached: plan its rollouts on the pool's servers, if it runs
+        from rlctl.launchers.launch import output_root
+        from rlctl.launchers.pool_lookup import pool_for_plan
+
+        pool = pool_for_plan(rec, output_root(rec, profile))
+    report = plan(rec, profile, pool=pool)
     if as_json:
         print_json(report.to_json())
     else:

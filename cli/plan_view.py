@@ -122,12 +122,41 @@ def _placement(j: dict):
     names = {"fsdp": "fsdp", "ep": "ep", "cp": "cp", "tp": "tp", "dp_replicate": "dp"}
     deg = " · ".join(f"{short} {tr[k]}" for k, short in names.items() if k in tr)
     gpus = pl["inference_gpus_per_server"]
+    trainer = ("trainer", f"{pl['trainer_nodes']} node(s) × {pl['trainer_ranks_per_node']} ranks · {deg}")
+    pool = j.get("pool")
+    if pool:  # attached: the pool's servers are not this run's (their shape is in the pool section)
+        orch = next((g for g in j.get("groups") or [] if g.get("name") == "orchestrator"), {})
+        where = {"cpu_partition": "1 node of the cpu partition", "gpu_partition": "1 node of the gpu partition "
+                 "(no GPU)", "local": "this machine"}.get(orch.get("where"), str(orch.get("where")))
+        return _section("placement", [
+            trainer, ("inference", f"served by pool {pool['name']} (0 nodes of this run)"),
+            ("orchestrator", f"{where}, sending to the pool's front")])
     return _section("placement", [
-        ("trainer", f"{pl['trainer_nodes']} node(s) × {pl['trainer_ranks_per_node']} ranks · {deg}"),
+        trainer,
         ("inference", f"{pl['inference_nodes']} node(s) × {pl['inference_servers_per_node']} servers × "
                       f"{gpus} GPU{'s' if gpus != 1 else ''}"),
         ("orchestrator", f"{pl['orchestrator']} (with the router)"),
     ])
+
+
+def _pool(p: dict):
+    """An attached run's pool: what its rollouts were planned on, and who else is attached."""
+    mode = "LoRA" if p.get("mode") == "lora" else "full-weight"
+    if p.get("planned_with") == "pool":
+        state = f"{p['state']} · {mode} runs of {p.get('model')} · max_model_len {p.get('max_model_len')}"
+    else:
+        state = f"{p['state']}: planned with this recipe's [inference] section as its size"
+    each = f" × {p['gpus_per_server']} GPU(s)" if p.get("gpus_per_server") else " (CPU)"
+    runs = p.get("runs") or []
+    rows = [("state", state),
+            ("servers", f"{p['servers']} server(s){each} on {p['nodes']} node(s)"
+                        + (f" · {p['gpus']} GPUs" if p.get("gpus") else "")),
+            ("attached now", f"{len(runs)} run(s)" + (": " + ", ".join(runs) if runs else "")),
+            ("rollout step", f"{_fmt_s(p.get('rollout_step_alone_s'))} with the pool to itself; the runs attached share "
+                             "it (slower when they send at once)")]
+    if p.get("where"):
+        rows.append(("directory", p["where"]))
+    return _section(f"pool {p['name']}", rows)
 
 
 def _trainer(tr: dict):
@@ -230,6 +259,9 @@ def render(j: dict, file=None, width: int | None = None, color: bool | None = No
     if j.get("calibration"):
         out.line(f"calibrated by {j['calibration']}")
     sections = [_placement(j), _trainer(j["trainer"]), _inference(j["inference"]), _loop(j)]
+    if j.get("pool"):  # attached: the inference figures are the pool's servers'
+        sections[2] = (f"inference (on pool {j['pool']['name']})", sections[2][1])
+        sections.insert(2, _pool(j["pool"]))
     if j.get("disk"):
         sections.append(_disk(j["disk"]))
     for title, rows in sections:

@@ -134,15 +134,21 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
     from rlctl.trainer.lora_config import check_launchable
 
     check_launchable(recipe)
-    placement = compute_placement(recipe, profile)
+    pool = None
+    if recipe.deployment.inference_pool:  # `auto` nodes are sized against the pool's servers, as `rlctl plan` does
+        from rlctl.launchers.attach import check_attachable
+        from rlctl.launchers.pool_lookup import pool_for_plan
+
+        check_attachable(recipe, output_root(recipe, profile))
+        pool = pool_for_plan(recipe, output_root(recipe, profile))
+    placement = compute_placement(recipe, profile, pool=pool)
     if profile.scheduler == "slurm" and placement.orchestrator == "cpu_partition" and not profile.partitions.cpu:
         raise RecipeError("orchestrator_placement is 'cpu_partition' but the profile has no cpu partition",
                           key="deployment.orchestrator_placement")
     groups = build_groups(recipe, profile, placement)
     if recipe.deployment.inference_pool:  # served by a shared pool: the job holds no servers
-        from rlctl.launchers.attach import attached_groups, check_attachable
+        from rlctl.launchers.attach import attached_groups
 
-        check_attachable(recipe, output_root(recipe, profile))
         groups = attached_groups(groups, profile.partitions.cpu)
     return recipe, profile, placement, groups
 

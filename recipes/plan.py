@@ -15,21 +15,25 @@ def _profile(recipe, profile):
     return profile
 
 
-def compute_placement(recipe, profile=None) -> Placement:
+def compute_placement(recipe, profile=None, pool=None) -> Placement:
     """Node split and per-node process counts for `recipe` on `profile` (cheap; no torch).
 
     `profile` is a ClusterProfile; None loads `recipe.cluster.profile`. `auto` node counts are
-    resolved by the planner (minimal async step time).
+    resolved by the planner (minimal async step time). `pool`: as for `plan`.
     """
     profile = _profile(recipe, profile)
     if profile.gpus_per_node == 0 or cpu_groups(recipe):
         return cpu_placement(recipe, profile)
-    return plan(recipe, profile).placement
+    return plan(recipe, profile, pool=pool).placement
 
 
-def plan(recipe, profile=None, calibration: str | None = None) -> PlanReport:
+def plan(recipe, profile=None, calibration: str | None = None, pool=None) -> PlanReport:
     """Size `recipe` on `profile` (ClusterProfile, or None to load `recipe.cluster.profile`), with the
-    constants of `calibration` (a calibration file; default: the profile's `calibration`, if any)."""
+    constants of `calibration` (a calibration file; default: the profile's `calibration`, if any).
+
+    `pool` (a `plan_pool.PoolInfo`, found by the caller: recipes/ does not import the launchers) is the
+    shared pool a run with `deployment.inference_pool` attaches to; None plans its rollouts with the
+    recipe's own [inference] section as the pool's size, and says so."""
     import contextlib
 
     from rlctl.recipes.plan_extras import add_extras
@@ -42,8 +46,13 @@ def plan(recipe, profile=None, calibration: str | None = None) -> PlanReport:
 
         key = "calibration" if calibration else profile_calibration_key(profile)
         constants = applied(load_calibration(path, key=key))
+    size_attached = None
+    if recipe.deployment.inference_pool:  # served by a shared pool: sized by plan_pool.py
+        from rlctl.recipes.plan_pool import sizer
+
+        size_attached = sizer(pool)
     with constants:
-        report = build_report(recipe, profile)
+        report = build_report(recipe, profile, size_attached)
         add_extras(report, recipe, profile)
     report.calibration = path
     return report

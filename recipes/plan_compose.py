@@ -55,7 +55,9 @@ def check_static(recipe, spec, profile) -> None:
                               "of them (KV heads can only be replicated evenly)", key="inference.tp")
         if profile.gpus_per_node and inf.tp > profile.gpus_per_node:
             raise RecipeError(f"tp={inf.tp} exceeds the {profile.gpus_per_node} GPUs of a node", key="inference.tp")
-    pinned = [v for v in (dep.trainer_nodes, dep.inference_nodes) if v != AUTO]
+    # attached (deployment.inference_pool): inference_nodes sizes the pool's stand-in, not this run's nodes
+    own = (dep.trainer_nodes,) if dep.inference_pool else (dep.trainer_nodes, dep.inference_nodes)
+    pinned = [v for v in own if v != AUTO]
     if profile.scheduler != "local" and sum(pinned) > profile.nodes:  # local: one machine runs every group
         raise RecipeError(f"trainer_nodes + inference_nodes = {sum(pinned)} but cluster {profile.name!r} has "
                           f"{profile.nodes} nodes", key="deployment.trainer_nodes")
@@ -301,8 +303,9 @@ def _cpu_report(recipe, spec, profile, shape, errors, warnings):
     return placement, trainer, inference, trainer_s, rollout_s
 
 
-def build_report(recipe, profile):
-
+def build_report(recipe, profile, size_attached=None):
+    """`size_attached`: sizes a run attached to a shared pool (plan_pool.sizer; passed in, as that
+    module builds on this one)."""
     spec = get_model_spec(recipe.model.name)
     check_static(recipe, spec, profile)
     o = recipe.orchestrator
@@ -315,7 +318,11 @@ def build_report(recipe, profile):
         warnings.append(f"orchestrator.max_tokens={o.max_tokens} exceeds inference.max_model_len="
                         f"{recipe.inference.max_model_len}; rollouts will be truncated")
 
-    if profile.gpus_per_node == 0 or cpu_groups(recipe):
+    attached = None
+    if size_attached is not None:  # a shared pool serves the rollouts
+        attached = size_attached(recipe, spec, profile, shape, errors, warnings)
+        placement, trainer, inference, trainer_s, rollout_s, weights = attached.parts()
+    elif profile.gpus_per_node == 0 or cpu_groups(recipe):
         placement, trainer, inference, trainer_s, rollout_s = _cpu_report(recipe, spec, profile, shape, errors, warnings)
         weights = weight_sync(recipe, spec, profile, cpu_shape(placement), on_gpu=False)
     else:
@@ -348,16 +355,18 @@ def build_report(recipe, profile):
                     "idle_fraction": {("trainer" if bottleneck == "inference" else "inference"):
                                       round(1 - other / step, 3) if math.isfinite(step) and step > 0 else None},
                     "max_in_flight": in_flight, "mean_tokens": mean, "completion_tokens": completion}
-    nodes_used = placement.trainer_nodes + placement.inference_nodes
+    nodes_used = attached.nodes_used if attached else placement.trainer_nodes + placement.inference_nodes
     if profile.scheduler != "local" and nodes_used > profile.nodes:
         errors.append(f"deployment: the plan needs {nodes_used} nodes but {profile.name!r} has {profile.nodes}")
     groups = [{"name": "orchestrator", "nodes": 1 if placement.orchestrator == "cpu_partition" else 0,
                "where": placement.orchestrator},
               {"name": "inference", "nodes": placement.inference_nodes, "ntasks_per_node": placement.inference_servers_per_node},
               {"name": "trainer", "nodes": placement.trainer_nodes, "ntasks_per_node": placement.trainer_ranks_per_node}]
-    return PlanReport(recipe=recipe.name, profile=profile.name, model=spec.name, placement=placement, groups=groups,
-                      trainer=trainer, inference=inference, orchestrator=orchestrator, bottleneck=bottleneck,
-                      fits=not errors, errors=errors, warnings=warnings, disk=plan_disk(recipe, spec), weights=weights)
+    return PlanReport(recipe=recipe.name, profile=profile.name, model=spec.name, placement=placement,
+                      groups=attached.groups if attached else groups, trainer=trainer, inference=inference,
+                      orchestrator=orchestrator, bottleneck=bottleneck, fits=not errors, errors=errors,
+                      warnings=warnings, disk=plan_disk(recipe, spec), weights=weights,
+                      pool=attached.section if attached else None)
 
 
 def _degrees_of(tp_) -> dict | None:
@@ -377,5 +386,4 @@ def _rollout_s(ip) -> float:
 
 
 def _site(recipe, profile) -> str:
-
     return orchestrator_site(recipe, profile)

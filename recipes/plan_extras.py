@@ -38,7 +38,8 @@ def cost(report, recipe, profile) -> dict:
     trainer stops for them)."""
     pl, o = report.placement, recipe.orchestrator
     step = report.orchestrator.get("step_time_s")
-    nodes = pl.trainer_nodes + pl.inference_nodes + (1 if pl.orchestrator == "cpu_partition" else 0)
+    # the run's own groups: an attached run's inference group is the pool's (0 nodes of this run)
+    nodes = sum(g.get("nodes", 0) for g in report.groups)
     gpus = (pl.trainer_nodes + pl.inference_nodes) * profile.gpus_per_node
     interval = recipe.checkpoint.interval
     ckpt_s = checkpoint_seconds(report.disk, pl.trainer_nodes, profile)
@@ -136,7 +137,7 @@ def warnings(report, recipe, profile) -> list[str]:
 def _time_limits(recipe) -> list[tuple[str, str]]:
     dep = recipe.deployment
     limits = [("deployment.time_limit", dep.time_limit)]
-    for group in ("trainer", "inference"):
+    for group in ("trainer",) if dep.inference_pool else ("trainer", "inference"):
         own = getattr(getattr(dep, group, None), "time_limit", None)
         if own:
             limits.append((f"deployment.{group}.time_limit", own))

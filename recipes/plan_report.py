@@ -119,6 +119,9 @@ class PlanReport:
     weights: dict = field(default_factory=dict)
     """Weight sync per step: bytes, the time of each transport, the chosen one's part on each side of the
     async step (see `rlctl.recipes.plan_sync`)."""
+    pool: dict | None = None
+    """An attached run's shared inference pool: its servers, state, the runs attached now, and the rollout
+    step with the pool to itself (see `rlctl.recipes.plan_pool`); None for a run with servers of its own."""
 
     def to_json(self) -> dict:
         """Machine-readable plan; numbers are SI (seconds, tokens/s, bytes) except the *_gib memory fields."""
@@ -128,5 +131,5 @@ class PlanReport:
             "inference": self.inference, "orchestrator": self.orchestrator, "bottleneck": self.bottleneck,
             "errors": list(self.errors), "warnings": list(self.warnings), "disk": self.disk,
             "cost": self.cost, "off_policy": self.off_policy, "calibration": self.calibration,
-            "weights": self.weights,
+            "weights": self.weights, "pool": self.pool,
         }
