@@ -19,6 +19,7 @@ from rlctl.inference.server import SERVED_MODEL_NAME
 
 RELOAD_METHOD = "rlctl_reload"  # ReloadExtension method run on every worker via /collective_rpc
 RECEIVE_METHOD = "rlctl_receive"  # the same for the broadcast transport (weights_receiver.py)
+STAGE_METHOD = "rlctl_stage"  # read a step into the workers' host RAM ahead of a pool's switch (host_cache.py)
 
 
 KEEPALIVE_S = 2.0  # below any server's keep-alive timeout (uvicorn's default is 5 s; ours, server.SERVER_KEEPALIVE_S)
@@ -184,6 +185,12 @@ class InferenceClient:
         slowest = max(results, key=lambda r: r["total_s"])
         return {**slowest, "workers": len(results), "rpc_s": time.perf_counter() - start}
 
+    async def stage(self, step_dir: str, budget_bytes: int, replaces: str | None = None) -> None:
+        """Have every worker read `step_dir` into host RAM in the background (a shared pool's switch to
+        it then reads no file), within `budget_bytes` per worker, dropping `replaces` (the run's older
+        step)."""
+        await self.collective_rpc(STAGE_METHOD, [str(step_dir), int(budget_bytes), str(replaces or "")])
+
     async def receive(self, step_dir: str, servers: int) -> dict:
         """Receive version `step_dir` over the broadcast transport on every worker of this server, which
         joins the step's group with the workers of all `servers` servers (all called at once)."""
@@ -303,4 +310,5 @@ async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: 
         raise InferenceError("resume failed after reload: " + "; ".join(failed))
     return {"pause_s": t1 - t0, "reload_s": t2 - t1, "resume_s": t3 - t2, "total_s": t3 - t0,
             "load_s_max": max(r["total_s"] for r in results), "servers": len(servers),
-            "bytes_read_max": max(r.get("bytes_read", 0) for r in results)}
+            "bytes_read_max": max(r.get("bytes_read", 0) for r in results),
+            "from_host": sum(r.get("source") == "host" for r in results)}

@@ -63,6 +63,10 @@ class InferenceConfig(StrictModel):
     max_loras: Annotated[int, Field(ge=1, le=256)] = 1
     """LoRA adapters a server holds at once; a shared pool of LoRA runs needs one per attached run
     (`rlctl pool launch`), one run needs 1."""
+    pool_host_cache_gib: Annotated[float, Field(ge=0, le=65536)] = 0.0
+    """A shared pool of full-weight runs: host RAM per server worker that keeps the newest published
+    weights of runs not resident, read when they publish, so a residency switch loads from RAM instead
+    of the filesystem (0: off; a step larger than this is not kept)."""
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     """Prefill/decode disaggregation."""
     kv_offload: KVOffloadConfig = KVOffloadConfig()

@@ -70,9 +70,10 @@ class PoolFull(RuntimeError):
 
 class PoolDispatcher:
     def __init__(self, clients: list[InferenceClient], mode: str, slots: int, max_loras: int = 1,
-                 base_dir: str = ""):
+                 base_dir: str = "", host_cache_bytes: int = 0):
         """`base_dir`: the model the servers started with, served to a full-weight run that has not
-        published yet."""
+        published yet. `host_cache_bytes`: host RAM per server worker for runs' newest steps (full
+        weights; 0: every switch reads the files)."""
         if mode not in MODES:
             raise ValueError(f"pool mode {mode!r}: allowed {', '.join(MODES)}")
         self.mode, self.base_dir, self.max_loras = mode, base_dir, max_loras
@@ -88,6 +89,9 @@ class PoolDispatcher:
         self.busy_s = 0.0
         self.switches = 0
         self.switch_s = 0.0
+        self.host_cache_bytes = host_cache_bytes if mode == "full" else 0
+        self.switches_from_host = 0
+        self._staging: set[asyncio.Task] = set()
 
     # -- runs ---------------------------------------------------------------------------------------
     def attach(self, name: str, run_dir: str) -> PoolRun:
@@ -203,10 +207,11 @@ class PoolDispatcher:
                 while run is not None and rep.loaded != run.weights:
                     target = run.weights
                     start = time.monotonic()
-                    await reload_all([rep.client], target or self.base_dir, "keep")
+                    timings = await reload_all([rep.client], target or self.base_dir, "keep")
                     took = time.monotonic() - start
                     rep.loaded = target
                     self.switches += 1
+                    self.switches_from_host += timings.get("from_host", 0)
                     self.switch_s += took
                     self._estimate_switch(took)
                 rep.holder = name
@@ -239,7 +244,8 @@ class PoolDispatcher:
                 timings = await reload_all([r.client for r in self.replicas], step_dir, "keep", "lora", adapter=name)
                 run.adapter = name
                 return timings
-            run.weights = step_dir
+            previous, run.weights = run.weights, step_dir
+            self._stage(step_dir, previous)
             holders = [r for r in self.replicas if r.holder == name and not r.busy]
             if not holders:
                 return {"total_s": time.monotonic() - start, "servers": 0, "resident": False}
@@ -255,6 +261,23 @@ class PoolDispatcher:
         self._pump()
         return {**timings, "resident": True}
 
+    def _stage(self, step_dir: str, previous: str | None) -> None:
+        """Every server reads a run's new step into host RAM in the background, so a switch to the run
+        reads no file (the one holding it too: it may switch away and back); its older step goes."""
+        if not self.host_cache_bytes:
+            return
+
+        async def stage(rep: Replica) -> None:
+            try:
+                await rep.client.stage(step_dir, self.host_cache_bytes, previous)
+            except Exception as exc:  # noqa: BLE001 - the switch then reads the files
+                log.warning("staging %s on server %d: %s", step_dir, rep.index, exc)
+
+        for rep in self.replicas:
+            task = asyncio.get_running_loop().create_task(stage(rep))
+            self._staging.add(task)
+            task.add_done_callback(self._staging.discard)
+
     # -- reporting ----------------------------------------------------------------------------------
     def stats(self) -> dict:
         uptime = time.monotonic() - self.started if self.started is not None else 0.0
@@ -264,6 +287,7 @@ class PoolDispatcher:
         return {"mode": self.mode, "servers": len(self.replicas), "uptime_s": round(uptime, 2),
                 "busy_s": round(busy, 2), "idle_fraction": round(1 - busy / uptime, 4) if uptime > 0 else None,
                 "switches": self.switches, "switch_s": round(self.switch_s, 3),
+                "switches_from_host": self.switches_from_host, "host_cache_bytes": self.host_cache_bytes,
                 "inflight": sum(r.inflight for r in self.replicas),
                 "holders": [r.holder for r in self.replicas] if self.mode == "full" else None,
                 "runs": {n: {**r.summary(len(queues.get(n, ()))), "share": round(r.service_s / served, 4)}

@@ -186,7 +186,8 @@ async def serve(run: RunDir, recipe, urls: list[str], host: str, stop: asyncio.E
     mode = pool_mode(recipe)
     clients = [InferenceClient(u, run.admin_token()) for u in urls]
     base = base_weights_step(resolve_model_dir(recipe, run), run.root / "cache" / "base_weights") if mode == "full" else ""
-    dispatcher = PoolDispatcher(clients, mode, SLOTS_PER_SERVER, recipe.inference.max_loras, base_dir=base)
+    dispatcher = PoolDispatcher(clients, mode, SLOTS_PER_SERVER, recipe.inference.max_loras, base_dir=base,
+                                host_cache_bytes=int(recipe.inference.pool_host_cache_gib * 2**30))
     front = PoolFront(dispatcher, run.api_key(), urls)
     runner = web.AppRunner(front.app(), access_log=None)
     await runner.setup()

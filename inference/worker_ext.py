@@ -100,6 +100,22 @@ def _storage_read_bytes() -> int | None:
 class ReloadExtension:
     """Methods callable by name through `/collective_rpc` on every worker of the server."""
 
+    @property
+    def _rlctl_host_cache(self):
+        cache = getattr(self, "_rlctl_cache", None)
+        if cache is None:
+            from rlctl.inference.host_cache import HostCache
+
+            cache = self._rlctl_cache = HostCache(_weight_files)
+        return cache
+
+    def rlctl_stage(self, step_dir: str, budget_bytes: int, replaces: str = "") -> dict:
+        """Start reading a marked step into host RAM (a shared pool's next switch loads it from there,
+        host_cache.py); returns at once, the read goes on in the background."""
+        if not (Path(step_dir) / MARKER).exists():
+            raise FileNotFoundError(f"{step_dir} has no {MARKER} marker: refusing to stage a partial step")
+        return self._rlctl_host_cache.stage(str(step_dir), int(budget_bytes), replaces or None)
+
     def rlctl_reload(self, step_dir: str) -> dict:
         """Load the step's safetensors shards into the running model; returns timings and bytes read for
         the caller's metrics.
@@ -116,8 +132,12 @@ class ReloadExtension:
             raise FileNotFoundError(f"{path} has no {MARKER} marker: refusing to load a partial step")
         io_before = _storage_read_bytes()
         start = time.perf_counter()
+        staged = self._rlctl_host_cache.take(str(path))
         with torch.inference_mode():
-            self.reload_weights(weights_path=str(path), is_checkpoint_format=True)
+            if staged is not None:  # staged in host RAM by a shared pool: no file is read now
+                self.reload_weights(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
+            else:
+                self.reload_weights(weights_path=str(path), is_checkpoint_format=True)
             loaded = time.perf_counter()
             model = self.model_runner.get_model()
             retied = _tied(self.vllm_config.model_config.hf_config) and refresh_tied_lm_head(model)
@@ -126,7 +146,8 @@ class ReloadExtension:
         io_after = _storage_read_bytes()
         return {"step_dir": str(path), "load_s": loaded - start, "retie_s": done - loaded,
                 "total_s": done - start, "retied_lm_head": bool(retied), "repacked_moe_layers": repacked,
-                "bytes_read": sum(f.stat().st_size for f in _weight_files(path)),
+                "source": "files" if staged is None else "host",
+                "bytes_read": 0 if staged is not None else sum(f.stat().st_size for f in _weight_files(path)),
                 "storage_read_bytes": io_after - io_before if io_before is not None and io_after is not None else None}
 
     def rlctl_receive(self, step_dir: str, servers: int) -> dict:

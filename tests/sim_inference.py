@@ -48,6 +48,7 @@ class SimServer:
         self.completed = Counter()  # X-Request-Id -> finished streams
         self.salts = Counter()
         self.adapters: dict[str, int] = {}  # LoRA adapter name -> its version
+        self.staged: set[str] = set()  # steps "read into host RAM" (rlctl_stage of a shared pool)
         self.active = 0
         self.peak_active = 0
         # A capacity model for benchmarks: at most this many requests generate at once (0 = unlimited).
@@ -122,12 +123,18 @@ class SimServer:
         if not self._authorized(request):
             return web.json_response({"error": "unauthorized"}, status=401)
         body = await request.json()
+        step_dir = Path(body["args"][0])
+        if body["method"] == "rlctl_stage":  # kept "in host RAM": a later reload of it is from there
+            self.staged.discard(body["args"][2])
+            self.staged.add(str(step_dir))
+            return web.json_response({"results": [{"staged": True, "entries": len(self.staged)}]})
         start = time.perf_counter()
         if self.reload_delay:
             await asyncio.sleep(self.reload_delay)
-        step_dir = Path(body["args"][0])
         self.version = _step_of(step_dir)
-        return web.json_response({"results": [{"total_s": time.perf_counter() - start, "step_dir": str(step_dir)}]})
+        source = "host" if str(step_dir) in self.staged else "files"
+        return web.json_response({"results": [{"total_s": time.perf_counter() - start, "step_dir": str(step_dir),
+                                               "source": source}]})
 
     async def load_lora(self, request):
         """`/v1/load_lora_adapter`: the adapter's version is its step (requests naming it generate it)."""

@@ -40,7 +40,9 @@ def launch_attached(root: Path, name: str, *overrides: str, wait: bool = True) -
 @pytest.fixture(scope="module")
 def pool_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pool")
-    started = rlctl("pool", "launch", RECIPE, "--name", POOL, "-o", f"deployment.output_dir={root}", "--json")
+    # with a host-RAM cache: a run's step is read when it publishes, its next switch reads no file
+    started = rlctl("pool", "launch", RECIPE, "--name", POOL, "-o", f"deployment.output_dir={root}",
+                    "-o", "inference.pool_host_cache_gib=1", "--json")
     assert started.returncode == 0, started.stderr
     try:
         wait_for(lambda: pool_show(root)["url"], 600, "the pool's front", 1.0)
@@ -71,12 +73,14 @@ def test_both_runs_learn_on_the_shared_server(pool_runs):
         assert sum(rewards[-5:]) / 5 >= 0.8, f"{name} did not end >= 0.8:\n{learning_report(trainer, orch)}"
     stats = pool_runs.finished["stats"]
     print(f"pool pair: {pool_runs.took:.0f}s wall for both, {stats['switches']} residency switches "
-          f"({stats['switch_s']:.1f}s), pool idle {stats['idle_fraction']:.0%}")
+          f"({stats['switch_s']:.1f}s, {stats['switches_from_host']} from host RAM), pool idle "
+          f"{stats['idle_fraction']:.0%}")
 
 
 def test_they_took_turns_with_residency_switches(pool_runs):
     stats = pool_runs.finished["stats"]
     assert stats["mode"] == "full" and stats["switches"] >= 2, stats
+    assert stats["switches_from_host"] >= 1, stats  # staged when the other run held the server
     assert not stats["runs"], "finished runs detach from the pool"
 
 

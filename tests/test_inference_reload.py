@@ -171,6 +171,44 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
     assert lm_head_tied(info["url"], token)
 
 
+def test_switches_between_steps_staged_in_host_ram_serve_each_steps_weights(server):
+    """A shared pool's switch loads a step its workers read into host RAM ahead (rlctl_stage): the
+    served model then matches transformers with that step's weights, also when switching back to a
+    step loaded before (a loader that kept the staged tensors as parameters would have overwritten it)."""
+    from safetensors.torch import load_file
+
+    from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, hf_state_dict
+    from rlctl.trainer.weights import load_config
+
+    run, info, token, proc = server
+    state = load_file(str(run.model / "model.safetensors"))
+    config = load_config(run.model)
+    steps, expected = {}, {}
+    for step, seed in ((20, 11), (21, 12)):
+        gen = torch.Generator().manual_seed(seed)
+        new = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+        steps[step] = FilesystemWeightStore(run.weights).publish(step, config, [hf_state_dict(new, config)])
+        expected[step] = transformers_prompt_logprobs(run.model, new)
+    assert max_diff(expected[20], expected[21]) > 0.1
+
+    async def stage_then_switch(order):
+        async with InferenceClient(info["url"], token) as c:
+            for step in steps:
+                await c.stage(str(steps[step]), 2**30)
+            served = []
+            for step in order:
+                timing = await reload_all([c], str(steps[step]))
+                served.append((step, timing["from_host"], timing["bytes_read_max"]))
+            return served
+
+    for step, from_host, bytes_read in asyncio.run(stage_then_switch([20, 21])):
+        assert (from_host, bytes_read) == (1, 0), (step, from_host, bytes_read)
+    assert max_diff(served_prompt_logprobs(InferenceClient(info["url"], token), 21), expected[21]) < 1e-3
+    asyncio.run(stage_then_switch([20]))  # back to the first step, from RAM again
+    assert max_diff(served_prompt_logprobs(InferenceClient(info["url"], token), 20), expected[20]) < 1e-3
+    assert lm_head_tied(info["url"], token)
+
+
 def test_reload_refuses_a_step_without_marker(server, tmp_path):
     run, info, token, proc = server
     partial = tmp_path / "step_9"

@@ -19,9 +19,10 @@ ADMIN, KEY = "admin-token", "pool-key"
 
 
 @contextlib.asynccontextmanager
-async def front(urls: list[str], mode: str, slots: int = 64):
+async def front(urls: list[str], mode: str, slots: int = 64, host_cache_bytes: int = 0):
     clients = [InferenceClient(u, ADMIN) for u in urls]
-    dispatcher = PoolDispatcher(clients, mode, slots, max_loras=2, base_dir="/pool/cache/base_weights")
+    dispatcher = PoolDispatcher(clients, mode, slots, max_loras=2, base_dir="/pool/cache/base_weights",
+                                host_cache_bytes=host_cache_bytes)
     runner = web.AppRunner(PoolFront(dispatcher, KEY, urls).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -84,6 +85,22 @@ def test_full_weight_runs_take_turns_each_with_its_own_weights():
                 stats = (await http.get("/pool/stats")).json()
                 assert stats["runs"]["a"]["requests"] >= 6 and stats["runs"]["b"]["requests"] >= 6
                 assert 0.0 <= stats["idle_fraction"] <= 1.0
+    asyncio.run(main())
+
+
+def test_a_switch_to_a_run_that_published_elsewhere_loads_from_host_ram():
+    async def main():
+        with sim_server(token_delay=0.005, token=ADMIN, api_key=KEY) as url:
+            async with front([url], "full", host_cache_bytes=2**30) as (http, dispatcher):
+                await attach(http, "a", "b")
+                for step in (2, 3):  # staged on publish; step 2 is dropped when step 3 comes
+                    await http.post("/runs/a/weights", json={"step_dir": f"/runs/a/weights/step_{step}"})
+                await asyncio.sleep(0.2)  # staging goes on in the background
+                results = await asyncio.gather(*(tokens(http, run, stream=True) for _ in range(4) for run in ("b", "a")))
+                for i, got in enumerate(results):
+                    assert set(got) == {token_for(0) if i % 2 == 0 else token_for(3)}, (i, got)
+                stats = (await http.get("/pool/stats")).json()
+                assert stats["switches_from_host"] >= 1 and stats["host_cache_bytes"] == 2**30, stats
     asyncio.run(main())
 
 
