@@ -20,21 +20,6 @@ def _root(root: Optional[Path], profile: Optional[str]) -> Path:
     return (root if root is not None else default_root(profile)).expanduser().absolute()
 
 
-def _render(info: dict) -> None:
-    typer.echo(f"pool {info['name']}: {info['state']}  {info['mode']} runs of {info['model']} on "
-               f"{info['servers']} server(s)  {info['url'] or ''}".rstrip())
-    stats = info.get("stats")
-    if not stats:
-        return
-    idle = stats.get("idle_fraction")
-    typer.echo(f"  idle {idle:.0%} of {stats['uptime_s']:.0f} s since the first attach  in flight {stats['inflight']}  "
-               f"residency switches {stats['switches']} ({stats['switch_s']:.1f} s)" if idle is not None
-               else "  no run attached yet")
-    for name, r in stats["runs"].items():
-        typer.echo(f"  run {name}: {r['requests']} requests  share {r['share']:.0%}  queued {r['queued']}  "
-                   f"waited {r['wait_s']:.1f} s")
-
-
 @user_errors
 def launch_cmd(
     recipes: List[str] = typer.Argument(..., help="Recipe TOML files (or built-in names) whose [model] and [inference] the pool serves."),
@@ -87,8 +72,12 @@ def show_cmd(pool: str = typer.Argument(..., help="Pool name (or its directory).
     info = describe_pool(resolve_pool(pool, _root(root, profile)))
     if as_json:
         print_json(info)
-    else:
-        _render(info)
+    else:  # the view of `rlctl monitor POOL --once`
+        from rich.console import Console
+
+        from rlctl.cli.pool_view import render_pool
+
+        Console().print(render_pool(info))
 
 
 @user_errors

@@ -1,5 +1,5 @@
-"""The `rlctl monitor POOL` screen: a pure function of `describe_pool`'s dict → a rich renderable (tests
-render it to text): the pool's state and endpoint, idle fraction, residency switches, and per attached
+"""The screen of `rlctl monitor POOL` and `rlctl pool show`: a pure function of `describe_pool`'s dict
+→ a rich renderable (tests render it to text): the pool's state and endpoint, idle fraction, residency switches, and per attached
 run its share of the servers' time, queue, wait and the weights it is served with."""
 from __future__ import annotations
 
@@ -51,4 +51,4 @@ def render_pool(info: dict) -> Panel:
         parts += [Text(""), _totals(stats), Text(""), _runs(stats)]
     elif info["state"] == "running":
         parts.append(Text("the front has not announced itself yet", style="dim"))
-    return Panel(Group(*parts), title="rlctl monitor (pool)", title_align="left")
+    return Panel(Group(*parts), title="rlctl pool", title_align="left")

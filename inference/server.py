@@ -265,8 +265,8 @@ def share_compile_cache(tmpdir: str | Path, cache_dir: str | Path) -> None:
 
 # How long a server keeps an idle connection open: longer than any of its clients keeps one (vllm-router
 # pools them for 50 s, router.POOL_IDLE_S; our httpx and aiohttp clients for 2 s), so a client always drops
-# an idle connection first. With vLLM's default (5 s) the router sent requests on connections the server
-# was closing; they failed before reaching vLLM, and ten in two minutes opened the router's circuit.
+# an idle connection first. With vLLM's default (5 s) a request can go out on a connection the server is
+# closing (an admin /pause of ours was lost so once) and fail before it reaches vLLM.
 SERVER_KEEPALIVE_S = 75
 
 

@@ -136,11 +136,9 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
     check_launchable(recipe)
     pool = None
     if recipe.deployment.inference_pool:  # `auto` nodes are sized against the pool's servers, as `rlctl plan` does
-        from rlctl.launchers.attach import check_attachable
         from rlctl.launchers.pool_lookup import pool_for_plan
 
-        check_attachable(recipe, output_root(recipe, profile))
-        pool = pool_for_plan(recipe, output_root(recipe, profile))
+        pool = pool_for_plan(recipe, output_root(recipe, profile), strict=True)  # a pool that cannot serve it: exit 2
     placement = compute_placement(recipe, profile, pool=pool)
     if profile.scheduler == "slurm" and placement.orchestrator == "cpu_partition" and not profile.partitions.cpu:
         raise RecipeError("orchestrator_placement is 'cpu_partition' but the profile has no cpu partition",

@@ -11,9 +11,10 @@ from rlctl.recipes.plan_pool import KEY, PoolInfo
 log = logging.getLogger(__name__)
 
 
-def pool_for_plan(recipe, root) -> PoolInfo | None:
+def pool_for_plan(recipe, root, strict: bool = False) -> PoolInfo | None:
     """Pool `deployment.inference_pool` under the run's output root `root`: its state, run.json and its
-    front's announcement, and why launch would refuse this run there (None: the run has no pool)."""
+    front's announcement, and why launch would refuse this run there (None: the run has no pool).
+    `strict` (launch): that refusal is raised (RecipeError naming the key) instead of recorded."""
     name = recipe.deployment.inference_pool
     if not name:
         return None
@@ -27,6 +28,8 @@ def pool_for_plan(recipe, root) -> PoolInfo | None:
     try:
         check_attachable(recipe, root)
     except RecipeError as exc:
+        if strict:
+            raise
         refusal = str(exc)
     try:
         if not pool.manifest.is_file():
