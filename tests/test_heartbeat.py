@@ -18,7 +18,7 @@ from rlctl.orchestrator.exchange.layout import RunDir
 STALL_S = 2.0
 
 
-def running_run(tmp_path, name: str = "hb") -> RunDir:
+def running_run(tmp_path, name: str = "hb", stall_s: float = STALL_S) -> RunDir:
     """A local run whose supervisor and trainer are this (live) test process, started a while ago."""
     run = RunDir(tmp_path / name)
     run.create()
@@ -27,7 +27,7 @@ def running_run(tmp_path, name: str = "hb") -> RunDir:
     atomic_write_json(run.manifest, {"name": name, "scheduler": "local", "job_id": None, "attempt": 0,
                                      "groups": [{"name": "trainer", "het_index": 0}],
                                      "recipe": {"orchestrator": {"max_steps": 10},
-                                                "monitoring": {"stall_timeout_s": STALL_S}}})
+                                                "monitoring": {"stall_timeout_s": stall_s}}})
     record = {"pid": os.getpid(), "state": "running", "host": socket.gethostname(), "started": started}
     atomic_write_json(run.status / "supervisor.json", record)
     atomic_write_json(run.status / "trainer.trainer.0.json", record)
@@ -104,8 +104,10 @@ def test_live_heartbeat_is_not_stalled(cli, tmp_path):
 
 
 def test_stale_heartbeat_of_an_ended_or_restarted_run_is_not_stalled(cli, tmp_path):
-    run = running_run(tmp_path)
-    write_beat(run, "trainer", progress_age_s=STALL_S + 60)
+    # A timeout well above the monitor's own run time under load: the restarted trainer's clock runs
+    # from its start (a second ago, recorded to the second), and only the old beat is past it.
+    run = running_run(tmp_path, stall_s=30.0)
+    write_beat(run, "trainer", progress_age_s=30.0 + 60)
     # the trainer process started after that beat (a new attempt): its clock starts at its start
     record = json.loads((run.status / "trainer.trainer.0.json").read_text())
     atomic_write_json(run.status / "trainer.trainer.0.json", {**record, "started": time.time() - 1})
