@@ -38,7 +38,7 @@ import aiohttp
 from rlctl.orchestrator.advantages import group_advantages, is_stale, min_policy_version
 from rlctl.orchestrator.batch import Group, Rollout, build_batch_tensors
 from rlctl.orchestrator.environments import Environment, MultiTurnEnvironment, Prompt
-from rlctl.orchestrator.trajectory import Budget, SharedFirstTurns, TokenClient
+from rlctl.orchestrator.trajectory import Budget, SharedTurns, TokenClient
 from rlctl.orchestrator.completion_stream import raise_for_status, streamed_choices
 from rlctl.orchestrator.rewards import RewardScorer
 from rlctl.inference.client import decode_routed_experts, policy_cache_salt, routed_experts_payload
@@ -253,15 +253,15 @@ class RolloutLoop:
 
     async def _trajectories(self, session: aiohttp.ClientSession, group_id: int, prompt: Prompt) -> list[Rollout]:
         """`group_size` trajectories of a multi-turn environment, run concurrently: their first turns in
-        one request with n = group_size, then one request per turn."""
+        one request with n = group_size, and each later turn they reach together in one request too."""
 
-        first_turns = SharedFirstTurns()
+        shared_turns = SharedTurns()
 
         async def one(index: int) -> Rollout:
             client = TokenClient(session, self.url, self.headers, self.policy, model=SERVED_MODEL_NAME,
                                  temperature=self.s.temperature, timeout_s=self.s.request_timeout_s,
                                  request_id=f"rlctl-g{group_id}-{index}", cache_salt=policy_cache_salt,
-                                 token_cache=self._token_cache, first_turns=first_turns)
+                                 token_cache=self._token_cache, shared_turns=shared_turns)
             return Rollout.from_trajectory(group_id, index, await self.env.rollout(client, prompt, self.s.budget))
 
         tasks = [asyncio.create_task(one(i)) for i in range(self.s.group_size)]

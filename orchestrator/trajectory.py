@@ -135,8 +135,8 @@ class TokenClient:
     it arrived (see loop.py for why that never overstates it)."""
 
     def __init__(self, session, url: str, headers: dict, policy, *, model: str, temperature: float,
-                 timeout_s: float, request_id: str, cache_salt, token_cache: dict[str, list[int]] | None = None,
-                 first_turns: "SharedFirstTurns | None" = None):
+                 timeout_s: float, request_id: str, cache_salt, token_cache: dict | None = None,
+                 shared_turns: "SharedTurns | None" = None):
         self.session = session
         self.url = url
         self.headers = headers
@@ -148,7 +148,7 @@ class TokenClient:
         self.cache_salt = cache_salt  # version -> salt: each turn's KV belongs to the policy serving it
         # Short tool outputs repeat across trajectories: the loop shares one cache among its clients.
         self._tokens = token_cache if token_cache is not None else {}
-        self.first_turns = first_turns  # the group's trajectories share their first turn's request
+        self.shared_turns = shared_turns  # the group's trajectories share requests for their turns
         self._requests = 0
 
     def new_trajectory(self, prompt_text: str, budget: Budget) -> Trajectory:
@@ -173,8 +173,8 @@ class TokenClient:
                 "cache_salt": self.cache_salt(self.policy.version)}
         if stop:
             body["stop"] = stop
-        if first and self.first_turns is not None:
-            prompt_ids, seg = await self.first_turns.generate(self, body)
+        if self.shared_turns is not None:
+            prompt_ids, seg = await self.shared_turns.generate(self, body)
         else:
             [(prompt_ids, seg)] = await self.stream_turns(body, 1)
         if first:
@@ -184,10 +184,11 @@ class TokenClient:
         traj.add_turn(seg)
         return seg
 
-    async def stream_turns(self, body: dict, n: int) -> list[tuple[list[int], Segment]]:
-        """`n` samples of one turn in one streamed request: (the server's prompt ids, the turn) each."""
-        turns: list[tuple[list[int], Segment]] = [([], Segment([], [], [], True)) for _ in range(n)]
-        async with self._post({**body, "n": n}) as resp:
+    async def stream_turns(self, body: dict, count: int) -> list[tuple[list[int], Segment]]:
+        """The `count` sequences of one streamed request (its prompts × its n), in the server's choice
+        order: (the server's prompt ids, the turn) each."""
+        turns: list[tuple[list[int], Segment]] = [([], Segment([], [], [], True)) for _ in range(count)]
+        async with self._post(body) as resp:
             async for choice, now_version, ids, lps in streamed_choices(resp, self.policy):
                 prompt_ids, seg = turns[choice.get("index", 0)]
                 if choice.get("prompt_token_ids") and not prompt_ids:
@@ -202,52 +203,90 @@ class TokenClient:
         return turns
 
     async def tokenize(self, text: str) -> list[int]:
-        """The server's token ids of `text` alone (no special tokens), e.g. a tool's output."""
-        if text not in self._tokens:
-            body = {"model": self.model, "prompt": text, "max_tokens": 0, "echo": True,
-                    "return_token_ids": True, "add_special_tokens": False}
-            async with self._post(body) as resp:
-                await raise_for_status(resp)
-                choices = (await resp.json()).get("choices") or []
-            if not choices or choices[0].get("prompt_token_ids") is None:
-                raise ValueError("the server returned no prompt_token_ids for a tokenisation request")
-            ids = list(choices[0]["prompt_token_ids"])
-            if len(text) <= CACHED_TEXT_CHARS:
-                if len(self._tokens) >= CACHED_TEXTS:
-                    self._tokens.clear()
-                self._tokens[text] = ids
-            return ids
-        return list(self._tokens[text])
+        """The server's token ids of `text` alone (no special tokens), e.g. a tool's output. A text
+        being tokenised already is awaited, not asked again: the group's trajectories then continue
+        together and share their next turn's request."""
+        cached = self._tokens.get(text)
+        if isinstance(cached, asyncio.Future):
+            return list(await asyncio.shield(cached))
+        if cached is not None:
+            return list(cached)
+        pending = self._tokens[text] = asyncio.get_running_loop().create_future()
+        try:
+            ids = await self._tokenize_request(text)
+        except BaseException as exc:
+            if self._tokens.get(text) is pending:
+                del self._tokens[text]
+            pending.set_exception(exc if isinstance(exc, Exception) else RuntimeError("tokenisation cancelled"))
+            pending.exception()  # the waiters (if any) get it; no "never retrieved" warning otherwise
+            raise
+        if self._tokens.get(text) is pending:
+            del self._tokens[text]
+        if len(text) <= CACHED_TEXT_CHARS:
+            if len(self._tokens) >= CACHED_TEXTS:
+                self._tokens.clear()
+            self._tokens[text] = ids
+        pending.set_result(ids)
+        return list(ids)
+
+    async def _tokenize_request(self, text: str) -> list[int]:
+        body = {"model": self.model, "prompt": text, "max_tokens": 0, "echo": True,
+                "return_token_ids": True, "add_special_tokens": False}
+        async with self._post(body) as resp:
+            await raise_for_status(resp)
+            choices = (await resp.json()).get("choices") or []
+        if not choices or choices[0].get("prompt_token_ids") is None:
+            raise ValueError("the server returned no prompt_token_ids for a tokenisation request")
+        return list(choices[0]["prompt_token_ids"])
 
 
-class SharedFirstTurns:
-    """The first turns of one group's trajectories, sent as one request with n = their number.
+class SharedTurns:
+    """The turns one group's trajectories ask for at the same moment, sent as one request.
 
-    A group's trajectories all start from the same prompt: one request with n = k costs the server one
-    HTTP exchange and one prompt instead of k (the tool recipe's step sends 544 requests instead of 1024,
-    and on a small model the per-request cost is the step). The first trajectory to ask yields once to
-    the event loop, so the group's other trajectories, started with it, join its request; any that ask
-    later (an environment that awaited something first) form the next one. The samples stay independent:
-    vLLM draws each of the n with its own random state, as for k requests."""
+    On a small model the per-request cost (an HTTP exchange through the router, a request for the
+    server to parse and schedule) is most of a turn: the tool recipe's step sent 544 requests for
+    512 trajectories of two turns and took 4x a single-turn step of the same size. So a group's
+    trajectories share requests: first turns (one prompt) as one request with n = their number,
+    later turns (each its own token-id context) as one request with a list of prompts. The first
+    trajectory to ask yields to the event loop until no other joins, so the group's trajectories that
+    reach the same turn together share it; any that ask later (an environment that awaited something
+    first) form the next request. Only turns with the same sampling settings share. The samples stay
+    independent: vLLM draws each sequence with its own random state, as for separate requests."""
+
+    # How long a request waits to form, in event-loop passes: a trajectory woken by a shared result
+    # (a tokenisation awaited through asyncio.shield) arrives two or three passes after the first.
+    MIN_YIELDS, MAX_YIELDS = 3, 8
 
     def __init__(self) -> None:
-        self._open: dict[str, list[asyncio.Future]] = {}
+        self._open: dict[str, list[tuple[Any, asyncio.Future | None]]] = {}
 
     async def generate(self, client: TokenClient, body: dict) -> tuple[list[int], Segment]:
-        key = json.dumps({k: v for k, v in body.items() if k != "cache_salt"}, sort_keys=True)
+        settings = {k: v for k, v in body.items() if k not in ("prompt", "cache_salt")}
+        key = json.dumps({**settings, "text_prompt": isinstance(body["prompt"], str)}, sort_keys=True)
         if key in self._open:  # a request is forming: join it
             joined = asyncio.get_running_loop().create_future()
-            self._open[key].append(joined)
+            self._open[key].append((body["prompt"], joined))
             return await joined
-        followers = self._open[key] = []
+        members: list[tuple[Any, asyncio.Future | None]] = [(body["prompt"], None)]
+        self._open[key] = members
         try:
-            await asyncio.sleep(0)  # the trajectories started with this one reach their first turn
+            for passes in range(1, self.MAX_YIELDS + 1):  # let the others reach this turn
+                seen = len(members)
+                await asyncio.sleep(0)
+                if passes >= self.MIN_YIELDS and len(members) == seen:
+                    break
         finally:
             del self._open[key]
+        prompts = [prompt for prompt, _ in members]
+        if all(prompt == prompts[0] for prompt in prompts):
+            request = {**body, "prompt": prompts[0], "n": len(prompts)}
+        else:
+            request = {**body, "prompt": prompts, "n": 1}  # vLLM numbers the choices by prompt
+        followers = [joined for _, joined in members[1:]]
         try:
-            first, *rest = await client.stream_turns(body, 1 + len(followers))
+            first, *rest = await client.stream_turns(request, len(prompts))
         except BaseException as exc:  # cancelled or failed: every joined trajectory learns it
-            error = exc if isinstance(exc, Exception) else RuntimeError("the group's first-turn request was cancelled")
+            error = exc if isinstance(exc, Exception) else RuntimeError("the group's shared turn request was cancelled")
             for joined in followers:
                 if not joined.done():
                     joined.set_exception(error)

@@ -34,24 +34,29 @@ class FakeServer:
         body = await request.json()
         self.requests.append((request.headers.get("X-Request-Id", ""), body))
         prompt = body["prompt"]
-        ids = [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
         if body.get("echo") and body["max_tokens"] == 0:  # tokenisation
+            ids = [ord(c) for c in prompt]
             return web.json_response({"choices": [{"index": 0, "text": prompt, "prompt_token_ids": ids}]})
         self.generations += 1
         if self.generations == self.bump_on_request:
             await self.policy.set(self.policy.version + 1)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for index in range(body.get("n", 1)):  # vLLM interleaves the n samples; here one after the other
-            context = list(ids)
-            for step in range(body["max_tokens"]):
-                tok = context[-1]
-                context.append(tok)
-                choice = {"index": index, "text": chr(tok), "token_ids": [tok], "logprobs": {"token_logprobs": [-0.5]},
-                          "finish_reason": "length" if step == body["max_tokens"] - 1 else None}
-                if step == 0:
-                    choice["prompt_token_ids"] = ids
-                await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        n = body.get("n", 1)
+        for number, one in enumerate(prompt if batch else [prompt]):  # choices numbered as vLLM does
+            ids = [ord(c) for c in one] if isinstance(one, str) else list(one)
+            for sample in range(n):  # vLLM interleaves the samples; here one after the other
+                context = list(ids)
+                for step in range(body["max_tokens"]):
+                    tok = context[-1]
+                    context.append(tok)
+                    choice = {"index": number * n + sample, "text": chr(tok), "token_ids": [tok],
+                              "logprobs": {"token_logprobs": [-0.5]},
+                              "finish_reason": "length" if step == body["max_tokens"] - 1 else None}
+                    if step == 0:
+                        choice["prompt_token_ids"] = ids
+                    await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -250,42 +255,45 @@ def test_rollout_loop_runs_multi_turn_groups(tmp_path):
     turns = [body for _, body in server.requests if body["max_tokens"] > 0]
     first = [body["n"] for body in turns if isinstance(body["prompt"], str)]
     assert first and set(first) == {2}  # a group's first turns: one request with n = group_size
-    assert {body["n"] for body in turns if not isinstance(body["prompt"], str)} == {1}
+    # its second turns (the same context: the fake policy is deterministic) in one request too
+    assert {body["n"] for body in turns if not isinstance(body["prompt"], str)} == {2}
 
 
-def test_first_turns_started_together_share_one_request_and_late_ones_form_the_next():
+def test_turns_reached_together_share_one_request_and_late_ones_form_the_next():
     import aiohttp
 
-    from rlctl.orchestrator.trajectory import SharedFirstTurns
+    from rlctl.orchestrator.trajectory import SharedTurns
 
     async def main():
         policy = PolicyVersion(0)
         server = FakeServer(policy)
         runner, url = await _serve(server)
-        shared = SharedFirstTurns()
+        shared = SharedTurns()
         try:
             async with aiohttp.ClientSession() as session:
-                async def one(name: str, delay: float) -> Trajectory:
+                async def one(name: str, prompt: str, delay: float) -> Trajectory:
                     if delay:
                         await asyncio.sleep(delay)
                     client = TokenClient(session, url, {}, policy, model="policy", temperature=1.0, timeout_s=30,
-                                         request_id=name, cache_salt=str, first_turns=shared)
-                    traj = client.new_trajectory("k3", Budget(2, 2, 8))
+                                         request_id=name, cache_salt=str, shared_turns=shared)
+                    traj = client.new_trajectory(prompt, Budget(2, 2, 8))
                     await client.generate(traj)
                     await client.generate(traj)
                     return traj
 
-                trajs = await asyncio.gather(one("a", 0), one("b", 0), one("c", 0), one("late", 0.05))
+                trajs = await asyncio.gather(one("a", "k3", 0), one("b", "k3", 0), one("c", "k4", 0),
+                                             one("late", "k3", 0.05))
         finally:
             await runner.cleanup()
         return server, trajs
 
     server, trajs = asyncio.run(main())
-    firsts = [body["n"] for _, body in server.requests if body["prompt"] == "k3"]
-    assert firsts == [3, 1]
-    assert len(server.requests) == 2 + 4  # then each trajectory's own second turn
-    for traj in trajs:
-        assert traj.prompt_ids == [ord("k"), ord("3")] and traj.completion_ids == [ord("3")] * 4
+    sent = [(body["prompt"], body["n"]) for _, body in server.requests]
+    k3, k4 = [ord("k"), ord("3")], [ord("k"), ord("4")]
+    assert sent == [(["k3", "k3", "k4"], 1), ([k3 + [ord("3")] * 2] * 2 + [k4 + [ord("4")] * 2], 1),  # together
+                    ("k3", 1), (k3 + [ord("3")] * 2, 1)]  # the late one's turns, on their own
+    for traj, prompt in zip(trajs, ("k3", "k3", "k4", "k3")):
+        assert traj.prompt_ids == [ord(c) for c in prompt] and traj.completion_ids == [ord(prompt[1])] * 4
         assert traj.turns == 2 and traj.logprobs == [-0.5] * 4
 
 
@@ -293,7 +301,7 @@ def test_a_failed_shared_first_turn_fails_every_trajectory_that_joined_it():
     import aiohttp
     from aiohttp import web
 
-    from rlctl.orchestrator.trajectory import SharedFirstTurns
+    from rlctl.orchestrator.trajectory import SharedTurns
 
     class Busy:  # every request answered 503, as an overloaded router does
         async def completions(self, request):
@@ -301,12 +309,12 @@ def test_a_failed_shared_first_turn_fails_every_trajectory_that_joined_it():
 
     async def main():
         runner, url = await _serve(Busy())
-        shared, policy = SharedFirstTurns(), PolicyVersion(0)
+        shared, policy = SharedTurns(), PolicyVersion(0)
         try:
             async with aiohttp.ClientSession() as session:
                 async def one(name: str):
                     client = TokenClient(session, url, {}, policy, model="policy", temperature=1.0, timeout_s=30,
-                                         request_id=name, cache_salt=str, first_turns=shared)
+                                         request_id=name, cache_salt=str, shared_turns=shared)
                     await client.generate(client.new_trajectory("k3", Budget(1, 1, 1)))
 
                 return await asyncio.gather(*(one(n) for n in "abc"), return_exceptions=True)
@@ -330,6 +338,9 @@ def test_tokenisations_of_short_texts_are_shared_between_clients():
                 a, b = (TokenClient(session, url, {}, policy, model="policy", temperature=1.0, timeout_s=30,
                                     request_id=n, cache_salt=str, token_cache=cache) for n in "ab")
                 assert await a.tokenize("=7") == await b.tokenize("=7") == [ord("="), ord("7")]
+                # asked at once by several clients: one request, every one gets the ids
+                together = await asyncio.gather(a.tokenize("=8"), b.tokenize("=8"), a.tokenize("=8"))
+                assert together == [[ord("="), ord("8")]] * 3
                 long = "x" * 100
                 assert await a.tokenize(long) == await b.tokenize(long) == [ord("x")] * 100
         finally:
@@ -337,5 +348,5 @@ def test_tokenisations_of_short_texts_are_shared_between_clients():
         return server, cache
 
     server, cache = asyncio.run(main())
-    assert [body["prompt"] for _, body in server.requests] == ["=7", "x" * 100, "x" * 100]  # long: not kept
-    assert list(cache) == ["=7"]
+    assert [body["prompt"] for _, body in server.requests] == ["=7", "=8", "x" * 100, "x" * 100]  # long: not kept
+    assert list(cache) == ["=7", "=8"]
