@@ -56,9 +56,10 @@ def component_block(group: JobGroup) -> list[str]:
     return lines
 
 
-def srun_line(group: JobGroup, folder: Path, python: str) -> str:
+def srun_line(group: JobGroup, folder: Path, python: str, het: bool = True) -> str:
     out = shlex.quote(slurm_path(script_value(folder / group.name, "deployment.output_dir"))) + '/"${SLURM_JOB_ID}"_%t_log'
-    args = ["srun", f"--het-group={group.het_index}", "--unbuffered", "--kill-on-bad-exit=1"]
+    # a job of one component (a pool: servers and their front) is a plain job: srun refuses --het-group
+    args = ["srun", *([f"--het-group={group.het_index}"] if het else []), "--unbuffered", "--kill-on-bad-exit=1"]
     if group.shares_component:  # one task beside another group's step on its first node
         args += ["--nodes=1", "--ntasks=1", "--overlap"]
     else:
@@ -250,8 +251,10 @@ def render_het_script(groups: list[JobGroup], folder: Path, python: str, *, job_
     for key, value in env.items():
         lines.append(f"export {key}={shlex.quote(value)}")
     # Node addresses per component, looked up once here instead of by every task (names need not resolve).
+    het = len(components(groups)) > 1
     for k in range(len(components(groups))):
-        lines.append(f'RLCTL_NODE_ADDRS_{k}="$(scontrol show node -o "$SLURM_JOB_NODELIST_HET_GROUP_{k}" | '
+        nodelist = f"${{SLURM_JOB_NODELIST_HET_GROUP_{k}:-$SLURM_JOB_NODELIST}}"  # unset in a plain job
+        lines.append(f'RLCTL_NODE_ADDRS_{k}="$(scontrol show node -o "{nodelist}" | '
                      "tr ' ' '\\n' | awk -F= '$1==\"NodeName\"{n=$2} $1==\"NodeAddr\"{print n\"=\"$2}' | "
                      f'paste -sd, -)"; export RLCTL_NODE_ADDRS_{k}')
     lines += [f"MAX_RESTARTS={int(requeue['max_restarts'])}",
@@ -259,7 +262,7 @@ def render_het_script(groups: list[JobGroup], folder: Path, python: str, *, job_
               REQUEUED.replace("PYTHON", python_no_cwd(python)).replace("FINISHED", str(RUN_FINISHED_EXIT)).strip()]
     lines += [f"GRACE={int(grace_period_s)}", "pids=(); names=()"]
     for group in groups:
-        lines.append(srun_line(group, folder, python))
+        lines.append(srun_line(group, folder, python, het))
         lines.append(f"pids+=($!); names+=({group.name})")
     return "\n".join(lines) + "\n" + SUPERVISOR
 

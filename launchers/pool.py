@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 
 from rlctl.launchers.attach import pools_root
-from rlctl.launchers.groups import JobGroup
+from rlctl.launchers.groups import JobGroup, group_by_name
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.pool_attach import POOLS_DIR, PoolUnavailable, pool_endpoint
 from rlctl.recipes.errors import RecipeError
@@ -23,9 +23,15 @@ POOL_MODULE = "rlctl.inference.pool_service"
 
 
 def pool_groups(groups: list[JobGroup]) -> list[JobGroup]:
-    """A pool's job: the inference servers and the front (in the orchestrator's place), no trainer."""
-    return [dataclasses.replace(g, module=POOL_MODULE) if g.name == "orchestrator" else g
-            for g in groups if g.name != "trainer"]
+    """A pool's job: the inference servers, and the front as one task beside them on their first node;
+    no trainer. The front is a proxy next to its servers: it takes no CPU node of its own, which the
+    attached runs' orchestrators need (on the test cluster's one CPU node, a front holding it kept every
+    attached run pending)."""
+    inference = dataclasses.replace(group_by_name(groups, "inference"), het_index=0, shares_component=False)
+    front = dataclasses.replace(group_by_name(groups, "orchestrator"), module=POOL_MODULE, het_index=0, nodes=1,
+                                ntasks_per_node=1, partition=inference.partition, gpus_per_node=0,
+                                shares_component=True)
+    return [front, inference]
 
 
 def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | None = None):

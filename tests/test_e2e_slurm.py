@@ -76,3 +76,55 @@ def test_tiny_recipe_learns_as_a_het_job(vslurm, tmp_path):
     mon = monitor_json(run)
     assert mon["state"] == "completed" and mon["steps_done"] == STEPS, mon
     print(f"tiny-cpu on vslurm: {took:.0f}s wall, reward first-3 {first:.3f} -> last-5 {last:.3f}")
+
+
+ATTACHED_STEPS = 20
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_pool_on_slurm_serves_a_run_attached_from_another_job(vslurm, tmp_path):
+    """`rlctl pool launch` on the cluster: one plain job (the server and, beside it, the pool's front) on a
+    `gpu` node, holding no `cpu` node; a run attached to it is a second job of trainer + orchestrator
+    only, whose orchestrator takes the `cpu` node, and learns through the pool; `rlctl pool stop` ends it."""
+    from e2e_checks import wait_for
+
+    out = ["-o", f"deployment.output_dir={tmp_path}"]
+    launched = subprocess.run([*RLCTL, "pool", "launch", TINY, ON_VSLURM, "--cluster", vslurm, "--name", "vpool", *out],
+                              capture_output=True, text=True, timeout=120)
+    assert launched.returncode == 0, launched.stderr
+    pool_job = json.loads((tmp_path / "pools" / "vpool" / "run.json").read_text())["job_id"]
+
+    def show() -> dict:
+        shown = subprocess.run([*RLCTL, "pool", "show", "vpool", "--root", str(tmp_path), "--json"],
+                               capture_output=True, text=True, timeout=60)
+        return json.loads(shown.stdout) if shown.returncode == 0 else {}
+
+    try:
+        wait_for(lambda: show().get("url"), 600, "the pool to serve", poll=2)
+        assert sacct_states(pool_job) == {pool_job: "RUNNING"}  # one component: a plain job
+        queued = subprocess.run(["squeue", "-h", "-j", pool_job, "-o", "%P"], capture_output=True, text=True).stdout
+        assert queued.split() == ["gpu"], queued
+
+        t0 = time.monotonic()
+        run = subprocess.run([*RLCTL, "launch", TINY, ON_VSLURM, "--cluster", vslurm, "--name", "attached", *out,
+                              "-o", "deployment.inference_pool=vpool", "-o", f"orchestrator.max_steps={ATTACHED_STEPS}",
+                              "--wait"], capture_output=True, text=True, timeout=600)
+        took = time.monotonic() - t0
+        assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+        run_dir = tmp_path / "attached"
+        job = json.loads((run_dir / "run.json").read_text())["job_id"]
+        assert sacct_states(job) == {f"{job}+0": "COMPLETED", f"{job}+1": "COMPLETED"}  # orchestrator, trainer
+        trainer, orch = metrics(run_dir)
+        assert [r["step"] for r in orch] == list(range(ATTACHED_STEPS)) == [r["step"] for r in trainer]
+        stats = show()["stats"]
+        assert stats["holders"] == ["attached"] and stats["busy_s"] > 0, stats
+        assert show()["state"] == "running"  # the run ended, the pool serves on
+        print(f"attached run on a Slurm pool: {took:.0f}s wall for {ATTACHED_STEPS} steps, reward "
+              f"{orch[0]['reward_mean']:.3f} -> {orch[-1]['reward_mean']:.3f}")
+    finally:
+        stopped = subprocess.run([*RLCTL, "pool", "stop", "vpool", "--root", str(tmp_path)], capture_output=True,
+                                 text=True, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", pool_job], capture_output=True, text=True).stdout.strip(),
+             120, "the pool's job to leave the queue", poll=1)

@@ -207,3 +207,23 @@ def test_lora_launches_but_refuses_the_broadcast_transport_and_fp8():
         load_for_launch(["tiny-cpu"], ["trainer.lora.rank=8", "trainer.fp8=true"])
     assert err.value.key == "trainer.fp8"
     assert load_for_launch(["tiny-cpu"], ["trainer.lora.rank=0"])[0].trainer.lora.rank == 0
+
+
+def test_a_pool_is_one_plain_job_with_its_front_beside_the_servers():
+    """A pool holds no CPU node (attached runs' orchestrators need it): its front is one task beside the
+    servers, so the job has one component, which Slurm runs as a plain job (no --het-group, no
+    per-component node list)."""
+    from rlctl.launchers.pool import POOL_MODULE, pool_groups
+
+    front, inference = pool_groups([ORCH, INF, TR])
+    assert (front.module, front.het_index, front.shares_component, front.partition) == (POOL_MODULE, 0, True, "gpu")
+    assert (front.nodes, front.ntasks_per_node, front.gpus_per_node) == (1, 1, 0)
+    assert (inference.het_index, inference.shares_component, inference.gpus_per_node) == (0, False, 8)
+    text = _script([front, inference])
+    assert "#SBATCH hetjob" not in text and "--het-group" not in text
+    assert "#SBATCH --partition=gpu" in text and "#SBATCH --partition=cpu" not in text
+    assert '"${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}"' in text
+    sruns = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+    assert len(sruns) == 2 and "--ntasks=1 --overlap" in sruns[0]
+    # a run's het job still names its components
+    assert all("--het-group=" in ln for ln in _script([ORCH, INF, TR]).splitlines() if ln.startswith("srun "))
