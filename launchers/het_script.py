@@ -251,8 +251,9 @@ def render_het_script(groups: list[JobGroup], folder: Path, python: str, *, job_
     for key, value in env.items():
         lines.append(f"export {key}={shlex.quote(value)}")
     # Node addresses per component, looked up once here instead of by every task (names need not resolve).
-    het = len(components(groups)) > 1
-    for k in range(len(components(groups))):
+    count = len(components(groups))
+    het = count > 1
+    for k in range(count):
         nodelist = f"${{SLURM_JOB_NODELIST_HET_GROUP_{k}:-$SLURM_JOB_NODELIST}}"  # unset in a plain job
         lines.append(f'RLCTL_NODE_ADDRS_{k}="$(scontrol show node -o "{nodelist}" | '
                      "tr ' ' '\\n' | awk -F= '$1==\"NodeName\"{n=$2} $1==\"NodeAddr\"{print n\"=\"$2}' | "

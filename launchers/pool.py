@@ -14,24 +14,25 @@ import dataclasses
 from pathlib import Path
 
 from rlctl.launchers.attach import pools_root
-from rlctl.launchers.groups import JobGroup, group_by_name
+from rlctl.launchers.groups import JobGroup, build_groups
 from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.placement import Placement
 from rlctl.orchestrator.pool_attach import POOLS_DIR, PoolUnavailable, pool_endpoint
 from rlctl.recipes.errors import RecipeError
 
 POOL_MODULE = "rlctl.inference.pool_service"
 
 
-def pool_groups(groups: list[JobGroup]) -> list[JobGroup]:
-    """A pool's job: the inference servers, and the front as one task beside them on their first node;
-    no trainer. The front is a proxy next to its servers: it takes no CPU node of its own, which the
-    attached runs' orchestrators need (on the test cluster's one CPU node, a front holding it kept every
-    attached run pending)."""
-    inference = dataclasses.replace(group_by_name(groups, "inference"), het_index=0, shares_component=False)
-    front = dataclasses.replace(group_by_name(groups, "orchestrator"), module=POOL_MODULE, het_index=0, nodes=1,
-                                ntasks_per_node=1, partition=inference.partition, gpus_per_node=0,
-                                shares_component=True)
-    return [front, inference]
+def pool_job(recipe, profile, placement) -> tuple[Placement, list[JobGroup]]:
+    """A pool's placement and job: the inference servers, and the front beside them on their first node
+    (`inference_node`, where a run's orchestrator goes without a CPU partition); no trainer. The front is a
+    proxy next to its servers: it takes no CPU node, which the attached runs' orchestrators need (on the
+    test cluster's one CPU node, a front holding it kept every attached run pending). Its job then has one
+    component: a plain job."""
+    placement = dataclasses.replace(placement, orchestrator="inference_node")
+    groups = [dataclasses.replace(g, module=POOL_MODULE) if g.name == "orchestrator" else g
+              for g in build_groups(recipe, profile, placement) if g.name != "trainer"]
+    return placement, groups
 
 
 def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | None = None):
@@ -40,7 +41,7 @@ def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | N
                                         output_root, run_lock, start_attempt)
     from rlctl.launchers.status import run_state
 
-    recipe, profile, placement, groups = load_for_launch(refs, overrides, cluster)
+    recipe, profile, placement, _ = load_for_launch(refs, overrides, cluster)
     if recipe.deployment.inference_pool:
         raise RecipeError("a pool cannot itself attach to a pool (allowed: unset)", key="deployment.inference_pool")
     if recipe.inference.disaggregation.enabled:
@@ -50,7 +51,7 @@ def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | N
     name = check_run_name(name or recipe.name)
     root = pools_root(output_root(recipe, profile))
     pool = claim_run_dir(root, name, name)
-    loaded = (recipe, profile, placement, pool_groups(groups))
+    loaded = (recipe, profile, *pool_job(recipe, profile, placement))
     if pool is not None:
         with run_lock(pool, f"rlctl pool launch {name}"):
             return start_attempt(pool, loaded, refs, 0)

@@ -213,12 +213,16 @@ def test_a_pool_is_one_plain_job_with_its_front_beside_the_servers():
     """A pool holds no CPU node (attached runs' orchestrators need it): its front is one task beside the
     servers, so the job has one component, which Slurm runs as a plain job (no --het-group, no
     per-component node list)."""
-    from rlctl.launchers.pool import POOL_MODULE, pool_groups
+    from rlctl.launchers.launch import load_for_launch
+    from rlctl.launchers.pool import POOL_MODULE, pool_job
 
-    front, inference = pool_groups([ORCH, INF, TR])
+    recipe, profile, placement, run_groups = load_for_launch(["tiny-cpu", "tiny-vslurm"])
+    assert placement.orchestrator == "cpu_partition" and len(components(run_groups)) == 3  # a run: its own CPU node
+    placement, (front, inference) = pool_job(recipe, profile, placement)
+    assert placement.orchestrator == "inference_node"
     assert (front.module, front.het_index, front.shares_component, front.partition) == (POOL_MODULE, 0, True, "gpu")
     assert (front.nodes, front.ntasks_per_node, front.gpus_per_node) == (1, 1, 0)
-    assert (inference.het_index, inference.shares_component, inference.gpus_per_node) == (0, False, 8)
+    assert (inference.name, inference.het_index, inference.shares_component) == ("inference", 0, False)
     text = _script([front, inference])
     assert "#SBATCH hetjob" not in text and "--het-group" not in text
     assert "#SBATCH --partition=gpu" in text and "#SBATCH --partition=cpu" not in text
