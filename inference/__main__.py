@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
                                    inference_target, ipc_safe_tmpdir, render_server_command, server_env,
-                                   share_compile_cache)
+                                   share_compile_cache, tensor_parallel)
 from rlctl.inference.processes import exit_status, own_group_dying_with_parent, private_umask, stop_process_group
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
 from rlctl.orchestrator.exchange.placement import Placement
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                                     server_index=index, dp_master=dp_master, initial_adapter=initial_adapter)
     except (RecipeError, FileNotFoundError, RuntimeError, ValueError) as e:
         return _fail(str(e))
-    env = {**os.environ, **server_env(recipe, target, run.root, admin_token, api_key)}
+    env = {**os.environ, **server_env(recipe, target, run.root, admin_token, api_key,
+                                      tp=tensor_parallel(recipe, placement))}
     private_tmp = ipc_safe_tmpdir(env["TMPDIR"])  # a deep run dir would overflow socket paths
     if private_tmp:
         env["TMPDIR"] = private_tmp

@@ -229,17 +229,30 @@ def render_server_command(
     return cmd
 
 
+def user_cache_dir(name: str, override_env: str) -> str:
+    """A cache shared by the user's runs: `$XDG_CACHE_HOME/rlctl/<name>` (or ~/.cache), unless the user
+    names one in `override_env`. For caches keyed by code and versions, which are safe to share."""
+    if os.environ.get(override_env):
+        return os.environ[override_env]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(base / "rlctl" / name)
+
+
 def compile_cache_dir() -> str:
     """Where torch's inductor keeps the kernels it compiles, shared by the user's runs.
 
     vLLM compiles a few sampler kernels with a C++ compiler on the first sampled request (on 2 CPU
     cores 8-10 s of the server's start). The default place is under TMPDIR, which a server points into
     its run directory, so every run compiled them again; keyed by code and torch version, they are
-    safe to share. TORCHINDUCTOR_CACHE_DIR set by the user wins."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return str(base / "rlctl" / "torchinductor")
+    safe to share."""
+    return user_cache_dir("torchinductor", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def vllm_cache_dir() -> str:
+    """vLLM's own cache, shared by the user's runs as vLLM itself shares ~/.cache/vllm. Its model-class
+    facts (`modelinfos/`, keyed by a hash of the model's source) are otherwise found by importing vLLM
+    once more in a subprocess at every server start (8-17 s on 2 CPU cores)."""
+    return user_cache_dir("vllm", "VLLM_CACHE_ROOT")
 
 
 def share_compile_cache(tmpdir: str | Path, cache_dir: str | Path) -> None:
@@ -270,9 +283,10 @@ def share_compile_cache(tmpdir: str | Path, cache_dir: str | Path) -> None:
 SERVER_KEEPALIVE_S = 75
 
 
-def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key: str) -> dict[str, str]:
-    """Environment additions of a server process: the two keys (see auth.py), caches inside the run
-    dir, offline hub."""
+def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key: str, tp: int = 1) -> dict[str, str]:
+    """Environment additions of a server process: the two keys (see auth.py), its temporary files inside
+    the run dir, caches keyed by code shared between runs, offline hub. `tp`: the server's tensor-parallel
+    size (a one-worker CPU engine keeps its worker in-process)."""
     cache = Path(run_root) / "cache"
     env = {
         ADMIN_TOKEN_ENV: admin_token,
@@ -280,7 +294,7 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
         "VLLM_API_KEY": "",  # our middleware checks /v1; an inherited key must not switch vLLM's check on
         "VLLM_SERVER_DEV_MODE": "1",  # exposes /collective_rpc, which the in-place reload uses
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "VLLM_CACHE_ROOT": vllm_cache_dir(),
         "TMPDIR": str(cache / "tmp"),
         "TORCHINDUCTOR_CACHE_DIR": compile_cache_dir(),
         "VLLM_NO_USAGE_STATS": "1",  # no telemetry calls from compute nodes
@@ -295,6 +309,12 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if target == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(recipe.inference.kv_cache_gib_cpu)))
+        if tp == 1 and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+            # vLLM's CPU platform otherwise gives a one-worker engine a worker process of its own: one
+            # more spawn and import of vLLM (≈ 16 s of a 2-core start) and a worker that spin-waits for
+            # the engine's next message, about a core taken from the trainer beside it. With this the
+            # worker runs in the engine process (the API server still talks to it over ZMQ).
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 

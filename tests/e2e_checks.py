@@ -123,7 +123,7 @@ def leftover_processes(run: Path) -> list[str]:
     """Processes of this run still alive: recorded pids, anything naming the run dir on its command line,
     anything carrying the run's RLCTL_RUN_DIR (children such as vLLM's engine core inherit it), running
     in the run dir, or holding a file of it open — and any vLLM process or multiprocessing
-    resource_tracker whose environment so much as mentions the run dir (its caches live there)."""
+    resource_tracker whose environment so much as mentions the run dir (its temporary files live there)."""
     left = []
     for path in (run / "status").glob("*.json"):
         pid = json.loads(path.read_text()).get("pid")

@@ -131,19 +131,31 @@ def test_token_travels_in_env_never_on_the_command_line(tmp_path):
     assert not any(TOKEN in part for part in cmd) and TOKEN not in format_command(cmd)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and env["TMPDIR"].startswith(str(tmp_path))
-    assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))  # compiled kernels outlive the run
+    assert env["TMPDIR"].startswith(str(tmp_path))
+    for shared in ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"):  # caches keyed by code outlive the run
+        assert not env[shared].startswith(str(tmp_path))
 
 
-def test_compiled_kernels_are_shared_between_runs_unless_the_user_says_where(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+@pytest.mark.parametrize("key,name", [("TORCHINDUCTOR_CACHE_DIR", "torchinductor"), ("VLLM_CACHE_ROOT", "vllm")])
+def test_code_keyed_caches_are_shared_between_runs_unless_the_user_says_where(tmp_path, monkeypatch, key, name):
+    monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     r = recipe()
-    assert server_env(r, "cpu", tmp_path / "a", TOKEN, "k")["TORCHINDUCTOR_CACHE_DIR"] == \
-        server_env(r, "cpu", tmp_path / "b", TOKEN, "k")["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "xdg" / "rlctl" / "torchinductor")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert server_env(r, "gpu", tmp_path / "a", TOKEN, "k")["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert server_env(r, "cpu", tmp_path / "a", TOKEN, "k")[key] == \
+        server_env(r, "cpu", tmp_path / "b", TOKEN, "k")[key] == str(tmp_path / "xdg" / "rlctl" / name)
+    monkeypatch.setenv(key, str(tmp_path / "mine"))
+    assert server_env(r, "gpu", tmp_path / "a", TOKEN, "k")[key] == str(tmp_path / "mine")
     assert "VLLM_CPU_KVCACHE_SPACE" not in server_env(r, "gpu", tmp_path, TOKEN, "api-key")
+
+
+def test_a_one_worker_cpu_engine_keeps_its_worker_in_process_unless_the_user_says(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    r = recipe()
+    assert server_env(r, "cpu", tmp_path, TOKEN, "k", tp=1)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(r, "cpu", tmp_path, TOKEN, "k", tp=2)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(r, "gpu", tmp_path, TOKEN, "k", tp=1)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(r, "cpu", tmp_path, TOKEN, "k", tp=1)
 
 
 def test_cpu_rejects_head_dims_its_attention_kernels_lack(tmp_path):
