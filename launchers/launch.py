@@ -347,4 +347,7 @@ def _maybe_build_model(run: RunDir, recipe) -> None:
     from rlctl.trainer.tiny_model import build_tiny_model, is_tiny_model
 
     if is_tiny_model(recipe.model.name):
-        build_tiny_model(run.model, seed=recipe.model.build_seed, name=recipe.model.name)
+        from rlctl.inference.server import user_cache_dir
+
+        build_tiny_model(run.model, seed=recipe.model.build_seed, name=recipe.model.name,
+                         cache_dir=user_cache_dir("tiny-models", "RLCTL_TINY_MODEL_CACHE"))

@@ -81,3 +81,18 @@ def test_overrides_make_a_variant_with_its_own_marker(tmp_path):
     assert numel == tiny_model.parameter_count(config)
     build_tiny_model(out, seed=0)  # the default config differs: rebuilt
     assert json.loads((out / "config.json").read_text()) == TINY_QWEN3
+
+
+def test_a_cached_build_is_copied_without_building_again(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    first = build_tiny_model(tmp_path / "a", seed=3, cache_dir=cache)
+    monkeypatch.setattr(tiny_model, "_write_weights", lambda *a: pytest.fail("built again"))
+    second = build_tiny_model(tmp_path / "b", seed=3, cache_dir=cache)
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir()) and BUILD_MARKER in names
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert len(list(cache.iterdir())) == 1
+    with pytest.raises(pytest.fail.Exception, match="built again"):  # another seed is another entry
+        build_tiny_model(tmp_path / "c", seed=4, cache_dir=cache)
+    assert not (tmp_path / "c").exists()
