@@ -129,6 +129,11 @@ def _write_weights(out: Path, seed: int, cfg: dict) -> None:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _identity(seed: int, cfg: dict) -> dict:
+    """What decides a build's bytes (besides the code and the libraries): its marker's content."""
+    return {"seed": seed, "config": cfg, "charset": CHARSET, "chat_template": CHAT_TEMPLATE}
+
+
 def _is_built(out: Path, seed: int, cfg: dict) -> bool:
     marker = out / BUILD_MARKER
     if not marker.exists():
@@ -137,8 +142,8 @@ def _is_built(out: Path, seed: int, cfg: dict) -> bool:
         info = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return (info.get("seed") == seed and info.get("config") == cfg and info.get("charset") == CHARSET
-            and info.get("chat_template") == CHAT_TEMPLATE)
+    want = _identity(seed, cfg)
+    return {k: info.get(k) for k in want} == want
 
 
 def is_tiny_model(name: str) -> bool:
@@ -192,8 +197,7 @@ def _cache_key(name: str, seed: int, cfg: dict) -> str:
         except PackageNotFoundError:
             return "?"
 
-    key = json.dumps({"seed": seed, "config": cfg, "charset": CHARSET, "chat_template": CHAT_TEMPLATE,
-                      "torch": installed("torch"), "transformers": installed("transformers"),
+    key = json.dumps({**_identity(seed, cfg), "torch": installed("torch"), "transformers": installed("transformers"),
                       "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}, sort_keys=True)
     return f"{name}-{seed}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
@@ -215,9 +219,8 @@ def _install(out: Path, seed: int, cfg: dict, fill) -> Path:
     finally:
         if stage.exists():
             shutil.rmtree(stage, ignore_errors=True)
-    info = {"seed": seed, "config": cfg, "charset": CHARSET, "chat_template": CHAT_TEMPLATE}
     tmp = out / f".{BUILD_MARKER}.tmp"
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    tmp.write_text(json.dumps(_identity(seed, cfg), indent=2) + "\n")
     os.replace(tmp, out / BUILD_MARKER)
     return out
 
