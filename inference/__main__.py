@@ -207,7 +207,7 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key
             return 143
         if time.monotonic() > deadline:
             return _fail(f"server {index} not healthy after {recipe.inference.startup_timeout_s:.0f} s at {url}", tail)
-        time.sleep(0.5)
+        time.sleep(0.2)
     healthy_s = time.monotonic() - started
     # P/D servers answer only as a pair (a decode server waits for its prefill's KV): no lone warm-up
     disaggregated = recipe.inference.disaggregation.enabled

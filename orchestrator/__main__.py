@@ -22,6 +22,7 @@ import asyncio
 import os
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +69,18 @@ def _dead_servers(run: RunDir) -> list[str]:
     return dead
 
 
+def preload_batch_modules() -> threading.Thread:
+    """Import torch and safetensors in the background while the servers start: the first batch needs
+    them (tensors, the rollout file), and imported there they delayed the first batch, and with it the
+    trainer's first step, by 1.5 s on 2 cores."""
+    def load() -> None:
+        import safetensors.torch  # noqa: F401 (brings torch)
+
+    thread = threading.Thread(target=load, name="preload-torch", daemon=True)
+    thread.start()
+    return thread
+
+
 def wait_for_servers(run: RunDir, count: int, attempt: int, timeout_s: float) -> list[str]:
     """URLs of `count` announced inference servers, ordered by index."""
     deadline = time.monotonic() + timeout_s
@@ -88,7 +101,7 @@ def wait_for_servers(run: RunDir, count: int, attempt: int, timeout_s: float) ->
         if time.monotonic() > deadline:
             raise OrchestratorError(f"only {len(found)}/{count} inference servers announced within "
                                     f"{timeout_s:g} s (inference.startup_timeout_s)\n" + _log_tails(run, attempt))
-        time.sleep(0.5)
+        time.sleep(0.1)  # a directory listing; the first batch waits for this poll
 
 
 async def watch_router_workers(router_url: str, api_key: str, server_urls: list[str],
@@ -294,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = validate(run.recipe_data())
         placement = Placement.from_dict(json.loads((run.configs / "placement.json").read_text()))
+        preload_batch_modules()
         if recipe.deployment.inference_pool:
             return _orchestrate_in_pool(run, recipe)
         try:
