@@ -158,6 +158,15 @@ def test_a_one_worker_cpu_engine_keeps_its_worker_in_process_unless_the_user_say
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(r, "cpu", tmp_path, TOKEN, "k", tp=1)
 
 
+def test_a_cpu_engine_waits_passively_between_passes_unless_the_user_says(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    r = recipe()
+    assert server_env(r, "cpu", tmp_path, TOKEN, "k", tp=2)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in server_env(r, "gpu", tmp_path, TOKEN, "k")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert "OMP_WAIT_POLICY" not in server_env(r, "cpu", tmp_path, TOKEN, "k")
+
+
 def test_cpu_rejects_head_dims_its_attention_kernels_lack(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
     with pytest.raises(RecipeError, match="head_dim 16"):
