@@ -1,31 +1,39 @@
-"""Peer benchmark: the tiny task run by TRL's synchronous `GRPOTrainer` vs rlctl's asynchronous stack.
+"""Peer benchmark: tiny tasks run by TRL's synchronous `GRPOTrainer` vs rlctl's asynchronous stack.
 
-Both sides train the same tiny Qwen3 (`build_tiny_model`, same seed) on the same environment (`sequence`
-with the args of recipes/tiny-cpu.toml, same reward) on the same CPU, with the recipe's batch shape and
-optimiser: 32 prompts x 16 completions per step, at most 2 completion tokens, temperature 1, AdamW at the
-recipe's lr, grad-norm clip 1, no KL term, advantages = reward - group mean, loss normalised by the token count.
-TRL generates with transformers' `generate` between optimiser steps (its default, no vLLM); rlctl runs a
-vLLM CPU server + router + orchestrator + 2-rank FSDP2 trainer overlapping by one policy step.
+Both sides train the same model (`build_tiny_model`, same seed) on the same environment with the same
+reward, batch shape and optimiser, on the same CPU: AdamW at the recipe's lr, grad-norm clip 1, no KL
+term, advantages = reward - group mean, loss normalised by the token count. TRL generates with
+transformers' `generate` between optimiser steps (its default, no vLLM); rlctl runs a vLLM CPU server +
+router + orchestrator + 2-rank FSDP2 trainer overlapping by one policy step. Variants:
+
+- `toy`: recipes/tiny-cpu.toml as it is (0.1M parameters, `sequence`, 32 x 16 rollouts of 2 tokens);
+- `generation`: generation-heavy: `count_a` over 32 tokens, 16 x 16 rollouts per step;
+- `compute`: compute-bound: a 25M-parameter Qwen3 (8 layers, hidden 512), `count_a` over 64 tokens,
+  4 x 16 rollouts per step, a fixed number of steps (throughput only, no reward target).
 
 Reported per side: wall time from start (before imports / before `rlctl launch`) to the first step whose
 mean reward is >= 0.9, the reward reached, and rollout throughput = completion tokens generated / wall
-time of the training loop (what the whole system delivers, generation and training together).
+time of the training loop (what the whole system delivers, generation and training together). For
+rlctl also the start-up timeline and its own per-step overhead: the median step interval minus what
+the critical path needs without rlctl, max(vLLM alone on the same batch, the trainer's step compute).
+Goals (issue: weights and start-up): rollout tokens/s rlctl/TRL >= 0.9 (compute), >= 0.5 (generation);
+overhead <= 15 % of the step (generation).
 
-    python bench/bench_peer_trl.py [--trl-python PY] [--trl-max-steps 400] [--rlctl-run RUN_DIR]
+    python bench/bench_peer_trl.py [--variant toy|generation|compute|all] [--trl-python PY]
 
-`--trl-python` runs the TRL side with another interpreter (a venv with trl + accelerate + this package);
-`--rlctl-run` reads an already finished run of the tiny recipe instead of launching one (start = its
-run.json submit_time, which leaves out the CLI's own start-up of ~1 s).
+`--trl-python` runs the TRL side with another interpreter (a venv with trl + accelerate + this package).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 T_START = time.time()  # before the heavy imports: TRL's start-up counts
@@ -34,13 +42,51 @@ TINY = REPO / "recipes" / "tiny-cpu.toml"
 TARGET = 0.9
 
 
-def _recipe() -> dict:
+@dataclass(frozen=True)
+class Variant:
+    overrides: tuple[str, ...] = ()
+    model: tuple[tuple[str, int], ...] = ()  # tiny-model config overrides (a larger model)
+    target: float | None = TARGET  # None: a fixed number of steps, throughput only
+    tokens_per_s_goal: float | None = None  # rlctl / TRL rollout tokens per second
+    overhead_goal: float | None = None  # rlctl's own share of the step
+
+
+def _count_a(length: int, prompts: int, micro_batch: int, steps: int) -> tuple[str, ...]:
+    rollouts = prompts * 16
+    return ("orchestrator.environment.name=count_a", f"orchestrator.environment.args={{length={length}}}",
+            f"orchestrator.max_tokens={length}", f"orchestrator.rollouts_per_step={rollouts}",
+            f"orchestrator.max_in_flight={2 * rollouts}", f"orchestrator.expected_mean_tokens={length + 3}",
+            f"orchestrator.max_steps={steps}", f"trainer.micro_batch_size={micro_batch}",
+            f"inference.max_model_len={max(64, 2 * length)}")
+
+
+VARIANTS = {
+    "toy": Variant(),
+    "generation": Variant(_count_a(32, 16, 128, 60), tokens_per_s_goal=0.5, overhead_goal=0.15),
+    "compute": Variant(_count_a(64, 4, 32, 12), target=None, tokens_per_s_goal=0.9,
+                       model=(("hidden_size", 512), ("intermediate_size", 1536), ("num_hidden_layers", 8),
+                              ("max_window_layers", 8), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+                              ("head_dim", 64))),
+}
+
+
+def _recipe(variant: Variant, model_dir: Path | None = None) -> dict:
     from rlctl.recipes.load import compose, validate
 
-    return validate(compose([str(TINY)], [])).model_dump()
+    extra = [f"model.name={json.dumps(str(model_dir))}"] if model_dir else []
+    return validate(compose([str(TINY)], [*variant.overrides, *extra])).model_dump()
 
 
-def run_trl(max_steps: int, out_dir: Path) -> dict:
+def build_model(variant: Variant, out_dir: Path) -> Path | None:
+    """The variant's larger model, built once for both sides (None: the recipe's own tiny model)."""
+    if not variant.model:
+        return None
+    from rlctl.trainer.tiny_model import build_tiny_model
+
+    return build_tiny_model(out_dir / "model", seed=0, overrides=dict(variant.model))
+
+
+def run_trl(variant: Variant, max_steps: int, out_dir: Path, model_dir: Path | None) -> dict:
     """The TRL side, in this process (run with the interpreter that has trl)."""
     import random
 
@@ -52,8 +98,10 @@ def run_trl(max_steps: int, out_dir: Path) -> dict:
     from rlctl.orchestrator.environments import Prompt, load_environment
     from rlctl.trainer.tiny_model import build_tiny_model
 
-    r = _recipe()
+    r = _recipe(variant)
     o, opt = r["orchestrator"], r["trainer"]["optimizer"]
+    if variant.target is None:
+        max_steps = o["max_steps"]
     env = load_environment(o["environment"]["name"], o["environment"]["args"])
     prompts_per_step = o["rollouts_per_step"] // o["group_size"]
     drawn = env.sample_prompts(random.Random(o["seed"]), prompts_per_step * max_steps)
@@ -62,7 +110,7 @@ def run_trl(max_steps: int, out_dir: Path) -> dict:
     def reward(prompts, completions, target, **_):
         return [env.reward(Prompt(p, t), c) for p, c, t in zip(prompts, completions, target)]
 
-    model_dir = build_tiny_model(out_dir / "model", seed=r["model"]["build_seed"])
+    model_dir = model_dir or build_tiny_model(out_dir / "model", seed=r["model"]["build_seed"])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = GRPOConfig(
@@ -82,15 +130,13 @@ def run_trl(max_steps: int, out_dir: Path) -> dict:
                 log.append({"step": state.global_step, "time": time.time(), "reward": logs["reward"],
                             "mean_length": logs.get("completions/mean_length")})
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
-                          callbacks=[Record()])
-
     class Stop(TrainerCallback):  # the budget is steps, but there is no point going on once 0.9 is held
         def on_log(self, args, state, control, logs=None, **kw):
-            if len(log) >= 5 and min(x["reward"] for x in log[-5:]) >= TARGET:
+            if variant.target is not None and len(log) >= 5 and min(x["reward"] for x in log[-5:]) >= variant.target:
                 control.should_training_stop = True
 
-    trainer.add_callback(Stop())
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
+                          callbacks=[Record(), Stop()])
     t_loop = time.time()
     trainer.train()
     t_end = time.time()
@@ -111,6 +157,10 @@ def _summary(side, rewards, times, t0, t_loop, t_end, tokens, extra) -> dict:
     }
 
 
+def _median(values):
+    return statistics.median(values) if values else None
+
+
 def rlctl_summary(run: Path, t0: float | None) -> dict:
     from rlctl.launchers.run_summary import by_step
     from rlctl.orchestrator.exchange.metrics import read_records
@@ -123,56 +173,141 @@ def rlctl_summary(run: Path, t0: float | None) -> dict:
     t_loop = orch[0]["time"] - orch[0]["orchestrator_step_time_s"]
     t_end = max(r["time"] for r in trainer + orch)
     tokens = sum(r["tokens"] for r in orch)
-    per_step = sorted(r["tokens_per_s"] for r in orch)
+    steady = orch[3:] if len(orch) > 6 else orch  # past the start-up batches
+    intervals = [b["time"] - a["time"] for a, b in zip(steady, steady[1:])]
     return _summary("rlctl", [r["reward_mean"] for r in orch], [r["time"] for r in orch], t0, t_loop, t_end,
-                    tokens, {"orchestrator_tokens_per_s_median": per_step[len(per_step) // 2]})
+                    tokens, {"step_interval_s": _median(intervals),
+                             "trainer_step_s": _median([r["trainer_step_time_s"] for r in trainer
+                                                        if "trainer_step_time_s" in r][3:]),
+                             "orchestrator_tokens_per_s_median": _median([r["tokens_per_s"] for r in orch])})
 
 
-def launch_rlctl(out_root: Path) -> dict:
+def launch_rlctl(variant: Variant, out_root: Path, model_dir: Path | None) -> dict:
+    """`rlctl launch` of the variant, watched from outside for the start-up timeline (bench_startup)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_startup import launch_and_watch
+
+    extra = [f"model.name={json.dumps(str(model_dir))}"] if model_dir else []
+    args = argparse.Namespace(recipe=str(TINY), override=[*variant.overrides, *extra], steps=None)
     t0 = time.time()
-    rlctl = Path(sys.executable).with_name("rlctl")
-    subprocess.run([str(rlctl), "launch", str(TINY), "--name", "peer-bench", "-o", f"deployment.output_dir={out_root}",
-                    "--wait"], check=True, stdout=subprocess.DEVNULL)
-    return rlctl_summary(out_root / "peer-bench", t0)
+    watcher, first_step, rc = launch_and_watch(out_root, args)
+    if rc != 0:
+        sys.exit(f"rlctl launch failed (exit {rc})")
+    summary = rlctl_summary(next(out_root.iterdir()), t0)
+    timeline = {name: round(t - watcher.launched, 2) for name, t in watcher.seen.items()}
+    if first_step is not None:
+        timeline["first trainer step starts"] = round(
+            first_step["time"] - first_step["trainer_step_time_s"] - first_step.get("weight_publish_s", 0.0) - watcher.launched, 2)
+    summary["startup_timeline_s"] = dict(sorted(timeline.items(), key=lambda kv: kv[1]))
+    return summary
+
+
+def vllm_alone(variant: Variant, model_dir: Path | None, out_dir: Path, repeats: int = 3) -> dict:
+    """Seconds vLLM alone (offline, the server's settings, all cores) needs for one batch of the variant."""
+    import random
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as rlctl's one-worker CPU server
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # ditto (inference/server.py: server_env)
+    from rlctl.orchestrator.environments import load_environment
+    from rlctl.trainer.tiny_model import build_tiny_model
+
+    r = _recipe(variant)
+    o, inf = r["orchestrator"], r["inference"]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(inf["kv_cache_gib_cpu"]))))
+    from vllm import LLM, SamplingParams
+
+    model_dir = model_dir or build_tiny_model(out_dir / "model", seed=r["model"]["build_seed"])
+    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=inf["max_model_len"], seed=0)
+    env = load_environment(o["environment"]["name"], o["environment"]["args"])
+    prompts = [p.text for p in env.sample_prompts(random.Random(0), o["rollouts_per_step"] // o["group_size"])]
+    params = SamplingParams(n=o["group_size"], max_tokens=o["max_tokens"], temperature=o["temperature"], logprobs=0)
+    times = []
+    for _ in range(repeats + 1):  # the first one warms up
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
+    return {"side": "vllm-alone", "batch_s": statistics.median(times[1:]), "batch_tokens": tokens}
+
+
+def _child(side: str, variant_name: str, python: str, model_dir: Path | None, max_steps: int) -> dict:
+    """A side in a fresh interpreter: its start-up and imports are part of its wall time, as rlctl's are."""
+    cmd = [python, __file__, "--side", side, "--variant", variant_name, "--trl-max-steps", str(max_steps)]
+    if model_dir:
+        cmd += ["--model-dir", str(model_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                         env={**os.environ, "RLCTL_BENCH_CHILD": "1", "OMP_NUM_THREADS": str(os.cpu_count())})
+    if out.returncode != 0:
+        sys.exit(f"{side} side failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trl-python", default=sys.executable, help="interpreter with trl + accelerate installed")
-    ap.add_argument("--trl-max-steps", type=int, default=400)
-    ap.add_argument("--rlctl-run", type=Path, help="a finished run of recipes/tiny-cpu.toml to read instead of launching")
-    ap.add_argument("--side", choices=["both", "trl", "rlctl"], default="both")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
-        if args.side == "trl" and os.environ.get("RLCTL_BENCH_TRL_CHILD"):
-            print(json.dumps(run_trl(args.trl_max_steps, Path(tmp))))
-            return
-        rows = []
-        if args.side in ("both", "rlctl"):
-            rows.append(rlctl_summary(args.rlctl_run, None) if args.rlctl_run else launch_rlctl(Path(tmp)))
-        if args.side in ("both", "trl"):
-            # A fresh interpreter: its start-up and imports are part of TRL's wall time, as rlctl's are.
-            out = subprocess.run([args.trl_python, __file__, "--side", "trl", "--trl-max-steps", str(args.trl_max_steps)],
-                                 capture_output=True, text=True, check=False,
-                                 env={**os.environ, "RLCTL_BENCH_TRL_CHILD": "1", "OMP_NUM_THREADS": str(os.cpu_count())})
-            if out.returncode != 0:
-                sys.exit(f"TRL side failed:\n{out.stderr[-3000:]}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
+def report(name: str, variant: Variant, rows: dict) -> None:
+    rl, trl, alone = rows.get("rlctl"), rows.get("trl"), rows.get("vllm-alone")
+    print(f"\n## {name}\n")
     print(f"| side | start-up s | wall to reward {TARGET} s | steps to {TARGET} | reward first -> last (steps) "
           "| reward max | rollout tok/s (loop) |")
     print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['side']} | {_fmt(r['startup_s'])} | {_fmt(r['wall_to_target_s'])} | {r['steps_to_target'] or '-'} "
-              f"| {_fmt(r['reward_first'], '.3f')} -> {_fmt(r['reward_last'], '.3f')} ({r['steps']}) "
-              f"| {_fmt(r['reward_max'], '.3f')} | {_fmt(r['rollout_tokens_per_s'], '.0f')} |")
+    for r in (rl, trl):
+        if r:
+            print(f"| {r['side']} | {_fmt(r['startup_s'])} | {_fmt(r['wall_to_target_s'])} | {r['steps_to_target'] or '-'} "
+                  f"| {_fmt(r['reward_first'], '.3f')} -> {_fmt(r['reward_last'], '.3f')} ({r['steps']}) "
+                  f"| {_fmt(r['reward_max'], '.3f')} | {_fmt(r['rollout_tokens_per_s'], '.0f')} |")
+    if rl:
+        print("rlctl start-up (s after launch): " + ", ".join(f"{k} {v}" for k, v in rl["startup_timeline_s"].items()))
+    if rl and trl and rl["rollout_tokens_per_s"] and trl["rollout_tokens_per_s"]:
+        ratio = rl["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"]
+        goal = variant.tokens_per_s_goal
+        print(f"rollout tokens/s rlctl/TRL: {ratio:.2f}x" + (f" (goal >= {goal}x: {'ok' if ratio >= goal else 'MISSED'})"
+                                                             if goal else ""))
+        if rl["wall_to_target_s"] and trl["wall_to_target_s"]:
+            print(f"wall to reward {TARGET} rlctl/TRL: {rl['wall_to_target_s'] / trl['wall_to_target_s']:.2f}x")
+    if rl and alone and rl["step_interval_s"]:
+        compute = max(alone["batch_s"], rl["trainer_step_s"] or 0.0)
+        share = (rl["step_interval_s"] - compute) / rl["step_interval_s"]
+        goal = variant.overhead_goal
+        print(f"step interval {rl['step_interval_s']:.2f} s; vLLM alone {alone['batch_s']:.2f} s per batch "
+              f"({alone['batch_tokens']} tokens), trainer step {_fmt(rl['trainer_step_s'], '.2f')} s; rlctl's own "
+              f"overhead {share:.0%} of the step" + (f" (goal <= {goal:.0%}: {'ok' if share <= goal else 'MISSED'})"
+                                                     if goal else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", choices=[*VARIANTS, "all"], default="all")
+    ap.add_argument("--trl-python", default=sys.executable, help="interpreter with trl + accelerate installed")
+    ap.add_argument("--trl-max-steps", type=int, default=400)
+    ap.add_argument("--side", choices=["all", "trl", "rlctl", "vllm-alone"], default="all")
+    ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)  # a child side gets the shared model
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if os.environ.get("RLCTL_BENCH_CHILD"):
+        variant = VARIANTS[args.variant]
+        with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
+            row = (run_trl(variant, args.trl_max_steps, Path(tmp), args.model_dir) if args.side == "trl"
+                   else vllm_alone(variant, args.model_dir, Path(tmp)))
+        print(json.dumps(row))
+        return
+    results = {}
+    for name in VARIANTS if args.variant == "all" else [args.variant]:
+        variant, rows = VARIANTS[name], {}
+        with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
+            model_dir = build_model(variant, Path(tmp))
+            if args.side in ("all", "rlctl"):
+                rows["rlctl"] = launch_rlctl(variant, Path(tmp) / "runs", model_dir)
+            if args.side in ("all", "trl"):
+                rows["trl"] = _child("trl", name, args.trl_python, model_dir, args.trl_max_steps)
+            if args.side in ("all", "vllm-alone") and variant.overhead_goal is not None:
+                rows["vllm-alone"] = _child("vllm-alone", name, sys.executable, model_dir, 0)
+        results[name] = rows
+        if not args.json:
+            report(name, variant, rows)
+    if args.json:
+        print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def first_trainer_step(root: Path) -> dict | None:
 def launch_and_watch(root: Path, args) -> tuple[Watcher, dict | None, int]:
     watcher = Watcher(root)
     watcher.start()
-    overrides = [f"orchestrator.max_steps={args.steps}", f"deployment.output_dir={root}", *args.override]
+    steps = [f"orchestrator.max_steps={args.steps}"] if args.steps else []  # None: the recipe's own
+    overrides = [*steps, f"deployment.output_dir={root}", *args.override]
     cmd = [sys.executable, "-m", "rlctl.cli.main", "launch", args.recipe, "--wait"]
     for o in overrides:
         cmd += ["-o", o]
