@@ -270,27 +270,27 @@ class SharedTurns:
         members: list[tuple[Any, asyncio.Future | None]] = [(body["prompt"], None)]
         self._open[key] = members
         try:
-            for passes in range(1, self.MAX_YIELDS + 1):  # let the others reach this turn
-                seen = len(members)
-                await asyncio.sleep(0)
-                if passes >= self.MIN_YIELDS and len(members) == seen:
-                    break
-        finally:
-            del self._open[key]
-        prompts = [prompt for prompt, _ in members]
-        if all(prompt == prompts[0] for prompt in prompts):
-            request = {**body, "prompt": prompts[0], "n": len(prompts)}
-        else:
-            request = {**body, "prompt": prompts, "n": 1}  # vLLM numbers the choices by prompt
-        followers = [joined for _, joined in members[1:]]
-        try:
+            try:
+                for passes in range(1, self.MAX_YIELDS + 1):  # let the others reach this turn
+                    seen = len(members)
+                    await asyncio.sleep(0)
+                    if passes >= self.MIN_YIELDS and len(members) == seen:
+                        break
+            finally:
+                del self._open[key]  # closed: later askers form the next request
+            prompts = [prompt for prompt, _ in members]
+            if all(prompt == prompts[0] for prompt in prompts):
+                request = {**body, "prompt": prompts[0], "n": len(prompts)}
+            else:
+                request = {**body, "prompt": prompts, "n": 1}  # vLLM numbers the choices by prompt
             first, *rest = await client.stream_turns(request, len(prompts))
-        except BaseException as exc:  # cancelled or failed: every joined trajectory learns it
+        except BaseException as exc:  # cancelled (also while forming) or failed: every joiner learns it
             error = exc if isinstance(exc, Exception) else RuntimeError("the group's shared turn request was cancelled")
-            for joined in followers:
+            for _, joined in members[1:]:
                 if not joined.done():
                     joined.set_exception(error)
             raise
+        followers = [joined for _, joined in members[1:]]
         for joined, turn in zip(followers, rest):
             if not joined.done():
                 joined.set_result(turn)

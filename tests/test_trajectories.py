@@ -325,6 +325,32 @@ def test_a_failed_shared_first_turn_fails_every_trajectory_that_joined_it():
     assert [type(r).__name__ for r in results] == ["ClientResponseError"] * 3, results
 
 
+def test_a_shared_turn_cancelled_while_it_forms_fails_its_joiners_instead_of_leaving_them_waiting():
+    from rlctl.orchestrator.trajectory import SharedTurns
+
+    class NeverAsked:
+        async def stream_turns(self, request, count):
+            raise AssertionError("a cancelled request must not be sent")
+
+    async def main():
+        shared, body = SharedTurns(), {"prompt": "k3", "max_tokens": 1, "n": 1}
+        leader = asyncio.create_task(shared.generate(NeverAsked(), body))
+        await asyncio.sleep(0)  # the leader opens the request and yields for others to join
+        joiner = asyncio.create_task(shared.generate(NeverAsked(), body))
+        await asyncio.sleep(0)  # the joiner has joined; the request is still forming
+        leader.cancel()
+        results = await asyncio.wait_for(asyncio.gather(leader, joiner, return_exceptions=True), 5)
+        late = asyncio.create_task(shared.generate(NeverAsked(), body))  # opens a new request
+        await asyncio.sleep(0)
+        late.cancel()
+        await asyncio.gather(late, return_exceptions=True)
+        return results
+
+    leader, joiner = asyncio.run(main())
+    assert isinstance(leader, asyncio.CancelledError)
+    assert isinstance(joiner, RuntimeError) and "cancelled" in str(joiner)
+
+
 def test_tokenisations_of_short_texts_are_shared_between_clients():
     import aiohttp
 
