@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout, web
@@ -55,6 +56,9 @@ class PoolFront:
         self.api_key = api_key
         self.server_urls = server_urls
         self.http: ClientSession | None = None
+        # Re-announces the pool's stats. Called before an attach or detach is answered, so whoever
+        # reads the pool after that answer (`rlctl pool show`) sees the run joined or gone.
+        self.on_change: Callable[[], None] = lambda: None
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -107,10 +111,12 @@ class PoolFront:
             run = self.dispatcher.attach(request.match_info["run"], str(body.get("run_dir", "")))
         except PoolFull as exc:
             return web.json_response({"error": str(exc)}, status=409)
+        self.on_change()
         return web.json_response({"run": run.name, "mode": self.dispatcher.mode})
 
     async def detach(self, request: web.Request) -> web.Response:
         await self.dispatcher.detach(request.match_info["run"])
+        self.on_change()
         return web.json_response({"ok": True})
 
     async def weights(self, request: web.Request) -> web.Response:
@@ -198,12 +204,18 @@ async def serve(run: RunDir, recipe, urls: list[str], host: str, stop: asyncio.E
             "max_loras": recipe.inference.max_loras, "max_model_len": recipe.inference.max_model_len, "lora_rank": recipe.trainer.lora.rank, "servers": urls}
     log.info("pool %s serving %s runs at %s in front of %d server(s)", run.root.name, mode, url, len(urls))
     heartbeat = Heartbeat(run, "orchestrator")
+
+    def announce() -> dict:
+        stats = dispatcher.stats()
+        run.announce("pool", "0", {**info, "time": time.time(), "stats": stats})
+        return stats
+
+    front.on_change = announce
     try:
         while not stop.is_set() and not run.done.exists():
             for name in ended_runs(dispatcher):
                 await dispatcher.detach(name)
-            stats = dispatcher.stats()
-            run.announce("pool", "0", {**info, "time": time.time(), "stats": stats})
+            stats = announce()
             # an idle pool waits for its runs: not a stall (see exchange/heartbeat.py)
             heartbeat.beat(sum(r["requests"] for r in stats["runs"].values()),
                            waiting_for=None if stats["inflight"] else "runs' requests")

@@ -171,3 +171,30 @@ def test_runs_that_ended_without_detaching_are_found(tmp_path):
             (tmp_path / name / "DONE").write_text("{}")
         dispatcher.attach(name, str(tmp_path / name))
     assert sorted(ended_runs(dispatcher)) == ["cancelled", "finished"]
+
+
+def test_the_pool_is_re_announced_before_an_attach_or_detach_is_answered():
+    """`rlctl pool show` reads the announcement: right after a run's detach it must not list the run."""
+    async def main():
+        server = InferenceClient("http://127.0.0.1:9", ADMIN)  # never asked: attaching a full run is bookkeeping
+        dispatcher = PoolDispatcher([server], "full", 8, max_loras=2, base_dir="/pool/cache/base_weights")
+        pool_front = PoolFront(dispatcher, KEY, [])
+        seen: list[list[str]] = []
+        pool_front.on_change = lambda: seen.append(sorted(dispatcher.stats()["runs"]))
+        runner = web.AppRunner(pool_front.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+                await attach(http, "a", "b")
+                after_attach = list(seen)
+                assert (await http.post("/runs/a/detach")).status_code == 200
+                return after_attach, seen
+        finally:
+            await runner.cleanup()
+            await server.aclose()
+
+    after_attach, seen = asyncio.run(main())
+    assert after_attach == [["a"], ["a", "b"]] and seen[-1] == ["b"]
