@@ -70,11 +70,10 @@ VARIANTS = {
 }
 
 
-def _recipe(variant: Variant, model_dir: Path | None = None) -> dict:
+def _recipe(variant: Variant) -> dict:
     from rlctl.recipes.load import compose, validate
 
-    extra = [f"model.name={json.dumps(str(model_dir))}"] if model_dir else []
-    return validate(compose([str(TINY)], [*variant.overrides, *extra])).model_dump()
+    return validate(compose([str(TINY)], list(variant.overrides))).model_dump()
 
 
 def build_model(variant: Variant, out_dir: Path) -> Path | None:
@@ -84,6 +83,13 @@ def build_model(variant: Variant, out_dir: Path) -> Path | None:
     from rlctl.trainer.tiny_model import build_tiny_model
 
     return build_tiny_model(out_dir / "model", seed=0, overrides=dict(variant.model))
+
+
+def _model_or_tiny(recipe: dict, model_dir: Path | None, out_dir: Path) -> Path:
+    """The shared model a child side was given, else the recipe's tiny model built into `out_dir`."""
+    from rlctl.trainer.tiny_model import build_tiny_model
+
+    return model_dir or build_tiny_model(out_dir / "model", seed=recipe["model"]["build_seed"])
 
 
 def run_trl(variant: Variant, max_steps: int, out_dir: Path, model_dir: Path | None) -> dict:
@@ -96,7 +102,6 @@ def run_trl(variant: Variant, max_steps: int, out_dir: Path, model_dir: Path | N
     from trl import GRPOConfig, GRPOTrainer
 
     from rlctl.orchestrator.environments import Prompt, load_environment
-    from rlctl.trainer.tiny_model import build_tiny_model
 
     r = _recipe(variant)
     o, opt = r["orchestrator"], r["trainer"]["optimizer"]
@@ -110,7 +115,7 @@ def run_trl(variant: Variant, max_steps: int, out_dir: Path, model_dir: Path | N
     def reward(prompts, completions, target, **_):
         return [env.reward(Prompt(p, t), c) for p, c, t in zip(prompts, completions, target)]
 
-    model_dir = model_dir or build_tiny_model(out_dir / "model", seed=r["model"]["build_seed"])
+    model_dir = _model_or_tiny(r, model_dir, out_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = GRPOConfig(
@@ -209,14 +214,13 @@ def vllm_alone(variant: Variant, model_dir: Path | None, out_dir: Path, repeats:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as rlctl's one-worker CPU server
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # ditto (inference/server.py: server_env)
     from rlctl.orchestrator.environments import load_environment
-    from rlctl.trainer.tiny_model import build_tiny_model
 
     r = _recipe(variant)
     o, inf = r["orchestrator"], r["inference"]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(inf["kv_cache_gib_cpu"]))))
     from vllm import LLM, SamplingParams
 
-    model_dir = model_dir or build_tiny_model(out_dir / "model", seed=r["model"]["build_seed"])
+    model_dir = _model_or_tiny(r, model_dir, out_dir)
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=inf["max_model_len"], seed=0)
     env = load_environment(o["environment"]["name"], o["environment"]["args"])
     prompts = [p.text for p in env.sample_prompts(random.Random(0), o["rollouts_per_step"] // o["group_size"])]
