@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import math
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Callable
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.metrics import RECORDS, StepRecord, TrainerStepRecord, typed
+
+log = logging.getLogger(__name__)
 from rlctl.recipes.errors import RecipeError
 
 BACKEND_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
@@ -86,7 +89,16 @@ class WandbBackend:
         pass  # the offline writer streams to its file
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() returns once the W&B service acknowledged the exit; the service closes the run's
+        # file on its own time. Tearing the service down waits for that, so the offline run is
+        # complete on disk when close returns, even if this process is killed right after.
+        try:
+            wandb.teardown()
+        except SystemExit as exc:  # wandb exits the caller when its service failed; metrics are a side channel
+            log.warning("monitoring.backends: the W&B service ended with code %s", exc.code)
 
 
 def _wandb_id(name: str) -> str:

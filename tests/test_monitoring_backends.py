@@ -87,15 +87,16 @@ def test_wandb_offline_run_holds_the_history(tmp_path, monkeypatch):
     forwarder.close()
     (folder,) = (run.monitoring / "wandb" / "wandb").glob("offline-run-*")
     (log,) = folder.glob("run-*.wandb")
-    history = []
+    history, kinds = [], []
     for data in wandb_records(log):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
+        kinds.append(record.WhichOneof("record_type"))
+        if kinds[-1] == "history":
             history.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
     trainer = [h for h in history if "trainer/step" in h]
     orch = [h for h in history if "orchestrator/step" in h]
-    assert [int(h["trainer/step"]) for h in trainer] == [0, 1, 2]
+    assert [int(h["trainer/step"]) for h in trainer] == [0, 1, 2], (kinds, history, log.stat().st_size)
     assert [float(h["trainer/trainer_step_time_s"]) for h in trainer] == [1.0, 2.0, 3.0]
     assert [float(h["orchestrator/reward_mean"]) for h in orch] == pytest.approx([0.0, 0.1, 0.2])
 
