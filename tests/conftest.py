@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ CLUSTER_SCRIPT = Path(__file__).parent / "slurm" / "cluster.sh"
 
 
 @pytest.fixture(scope="session")
-def vslurm() -> str:
-    """Start (or reuse) the virtual cluster; returns its profile name. Skips only without root or
-    apt-get, and never in CI (CI=true), where those tests must run."""
+def vslurm():
+    """Start (or reuse) the virtual cluster; yields its profile name. Skips only without root or
+    apt-get, and never in CI (CI=true), where those tests must run. While Slurm tests run, a background
+    thread keeps the scheduler awake (see _cluster_activity)."""
     reason = None
     if os.geteuid() != 0:
         reason = "the virtual Slurm cluster needs root (tests/slurm/cluster.sh installs packages, starts daemons)"
@@ -27,7 +29,22 @@ def vslurm() -> str:
     out = subprocess.run(["bash", str(CLUSTER_SCRIPT)], capture_output=True, text=True, timeout=1200)
     if out.returncode != 0:
         pytest.fail(f"tests/slurm/cluster.sh failed:\n{out.stdout}\n{out.stderr}")
-    return "vslurm"
+    stop = threading.Event()
+    ticker = threading.Thread(target=_cluster_activity, args=(stop,), daemon=True, name="vslurm-activity")
+    ticker.start()
+    yield "vslurm"
+    stop.set()
+    ticker.join(timeout=10)
+
+
+def _cluster_activity(stop: threading.Event, every_s: float = 2.0) -> None:
+    """Stand in for a busy cluster's steady stream of state changes. Slurm's backfill scheduler (the
+    only one that starts heterogeneous jobs) runs only after some job, node or partition changed; a
+    requeued job whose BeginTime passes changes nothing, so on the otherwise idle virtual cluster it
+    sat PENDING for 80-170 s after every requeue. A no-op partition update every few seconds is such
+    a change (the node-down drill: 195 s -> 36 s)."""
+    while not stop.wait(every_s):
+        subprocess.run(["scontrol", "update", "PartitionName=urgent", "State=UP"], capture_output=True, timeout=30)
 
 
 @pytest.fixture
