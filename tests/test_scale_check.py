@@ -1,7 +1,7 @@
 """Scale check without GPUs: one rank's shard of the mesh the planner chose, built on the meta device
 with the trainer's own code (`build_parallel_model`), against `rlctl plan`'s memory breakdown.
 
-Each case runs in a subprocess with a fake process group of the planned world size (as torchtitan's
+The cases run in one subprocess, each with a fake process group of the planned world size (as torchtitan's
 dry runs do): no memory, no communication, the real shapes and FSDP2 placements of rank 0 — the
 fullest rank, since FSDP2 gives the first ranks whole dim-0 chunks.
 """
@@ -86,22 +86,66 @@ def shard_bytes(model_name: str, degrees: dict, trainer_cfg: dict, fold: bool = 
     return {"params": local, "grads": local, "optimizer": 2 * local, "full_params": full, "notes": notes}
 
 
-def _run_child(name: str, degrees: dict, tr, fold: bool) -> dict:
-    trainer_cfg = {"dtype": tr.dtype, "activation_checkpointing": tr.activation_checkpointing,
-                   "optimizer_dtype": tr.optimizer_dtype}
-    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_scale_check import shard_bytes; "
-            f"print('RESULT ' + json.dumps(shard_bytes({name!r}, {degrees!r}, {trainer_cfg!r}, {fold!r})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+def _trainer_cfg(tr) -> dict:
+    return {"dtype": tr.dtype, "activation_checkpointing": tr.activation_checkpointing,
+            "optimizer_dtype": tr.optimizer_dtype}
+
+
+def shard_bytes_each(jobs: list) -> list:
+    """Run in the child: `shard_bytes` for each (model, degrees, trainer_cfg, fold); a failing case
+    reports its traceback instead of failing the others."""
+    import torch.distributed as dist
+    import traceback
+
+    out = []
+    for job in jobs:
+        try:
+            out.append(shard_bytes(*job))
+        except Exception:  # noqa: BLE001 - handed back to the case's own test
+            out.append({"error": traceback.format_exc()})
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return out
+
+
+def _run_children(jobs: list) -> list:
+    """One child for every case of the module: torch and transformers are imported once, not per case."""
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_scale_check import shard_bytes_each; "
+            f"print('RESULT ' + json.dumps(shard_bytes_each({jobs!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
 
 
-@pytest.mark.parametrize("recipe", [
-    "qwen3-30b-a3b",
-    "glm5-swe",
-])
-def test_startup_validation_accepts_the_planned_degrees(recipe):
+STARTUP_RECIPES = ["qwen3-30b-a3b", "glm5-swe"]
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Every case's rank-0 shard, keyed by ("startup", recipe) or ("shard", recipe, overrides)."""
+    from rlctl.recipes.load import load_recipe
+
+    jobs = {}
+    for recipe in STARTUP_RECIPES:
+        loaded = load_recipe([recipe])
+        jobs[("startup", recipe)] = (loaded.model.name, planned(recipe, ())[0], _trainer_cfg(loaded.trainer), False)
+    for recipe, overrides in CASES:
+        loaded = load_recipe([recipe], list(overrides))
+        jobs[("shard", recipe, overrides)] = (loaded.model.name, planned(recipe, overrides)[0],
+                                              _trainer_cfg(loaded.trainer), True)
+    return dict(zip(jobs, _run_children(list(jobs.values()))))
+
+
+def _result(built: dict, key) -> dict:
+    got = built[key]
+    assert "error" not in got, got.get("error")
+    return got
+
+
+@pytest.mark.parametrize("recipe", STARTUP_RECIPES)
+def test_startup_validation_accepts_the_planned_degrees(built, recipe):
     """The trainer's own checks and construction, exactly the planned degrees (resolved as the trainer
     resolves them from the placement), on the real config, meta device, fake process group."""
     from rlctl.recipes.load import load_recipe
@@ -112,19 +156,19 @@ def test_startup_validation_accepts_the_planned_degrees(recipe):
     world = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
     dims = resolve_dims(loaded.trainer, world, "cuda", planned=degrees)
     assert {k: getattr(dims, k) for k in degrees} == degrees
-    got = _run_child(loaded.model.name, degrees, loaded.trainer, fold=False)
+    got = _result(built, ("startup", recipe))
     assert got["notes"] == []
 
 
 @pytest.mark.parametrize("recipe,overrides", CASES, ids=[f"{r}{'+' if o else ''}{'+'.join(o)}" for r, o in CASES])
-def test_rank_shard_matches_the_plan(recipe, overrides):
+def test_rank_shard_matches_the_plan(built, recipe, overrides):
     from rlctl.recipes.load import load_recipe
     from rlctl.recipes.models import get_model_spec
 
     loaded = load_recipe([recipe], list(overrides))
-    name, tr = loaded.model.name, loaded.trainer
+    name = loaded.model.name
     degrees, memory = planned(recipe, overrides)
-    got = _run_child(name, degrees, tr, fold=True)
+    got = _result(built, ("shard", recipe, overrides))
     # the model transformers builds is the one the planner counts
     assert got["full_params"] == pytest.approx(get_model_spec(name).total_params, rel=0.01)
     gib = 2**30
