@@ -19,9 +19,9 @@ from typing import Callable
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.metrics import RECORDS, StepRecord, TrainerStepRecord, typed
+from rlctl.recipes.errors import RecipeError
 
 log = logging.getLogger(__name__)
-from rlctl.recipes.errors import RecipeError
 
 BACKEND_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 
