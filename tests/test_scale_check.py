@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -94,8 +95,9 @@ def _trainer_cfg(tr) -> dict:
 def shard_bytes_each(jobs: list) -> list:
     """Run in the child: `shard_bytes` for each (model, degrees, trainer_cfg, fold); a failing case
     reports its traceback instead of failing the others."""
-    import torch.distributed as dist
     import traceback
+
+    import torch.distributed as dist
 
     out = []
     for job in jobs:
@@ -124,51 +126,49 @@ STARTUP_RECIPES = ["qwen3-30b-a3b", "glm5-swe"]
 
 @pytest.fixture(scope="module")
 def built():
-    """Every case's rank-0 shard, keyed by ("startup", recipe) or ("shard", recipe, overrides)."""
+    """Every case, keyed by ("startup", recipe) or ("shard", recipe, overrides): its loaded recipe, the
+    plan's degrees and memory, and what the child built (the rank-0 shard, or the case's error)."""
     from rlctl.recipes.load import load_recipe
 
-    jobs = {}
-    for recipe in STARTUP_RECIPES:
-        loaded = load_recipe([recipe])
-        jobs[("startup", recipe)] = (loaded.model.name, planned(recipe, ())[0], _trainer_cfg(loaded.trainer), False)
-    for recipe, overrides in CASES:
+    cases = {("startup", recipe): (recipe, (), False) for recipe in STARTUP_RECIPES}
+    cases.update({("shard", recipe, overrides): (recipe, overrides, True) for recipe, overrides in CASES})
+    found, jobs = {}, []
+    for key, (recipe, overrides, fold) in cases.items():
         loaded = load_recipe([recipe], list(overrides))
-        jobs[("shard", recipe, overrides)] = (loaded.model.name, planned(recipe, overrides)[0],
-                                              _trainer_cfg(loaded.trainer), True)
-    return dict(zip(jobs, _run_children(list(jobs.values()))))
+        degrees, memory = planned(recipe, overrides)
+        found[key] = SimpleNamespace(loaded=loaded, degrees=degrees, memory=memory)
+        jobs.append((loaded.model.name, degrees, _trainer_cfg(loaded.trainer), fold))
+    for case, shard in zip(found.values(), _run_children(jobs)):
+        case.shard = shard
+    return found
 
 
-def _result(built: dict, key) -> dict:
-    got = built[key]
-    assert "error" not in got, got.get("error")
-    return got
+def _case(built: dict, key) -> SimpleNamespace:
+    case = built[key]
+    assert "error" not in case.shard, case.shard.get("error")
+    return case
 
 
 @pytest.mark.parametrize("recipe", STARTUP_RECIPES)
 def test_startup_validation_accepts_the_planned_degrees(built, recipe):
     """The trainer's own checks and construction, exactly the planned degrees (resolved as the trainer
     resolves them from the placement), on the real config, meta device, fake process group."""
-    from rlctl.recipes.load import load_recipe
     from rlctl.trainer.degrees import resolve_dims
 
-    loaded = load_recipe([recipe])
-    degrees, _ = planned(recipe, ())
+    case = _case(built, ("startup", recipe))
+    degrees = case.degrees
     world = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
-    dims = resolve_dims(loaded.trainer, world, "cuda", planned=degrees)
+    dims = resolve_dims(case.loaded.trainer, world, "cuda", planned=degrees)
     assert {k: getattr(dims, k) for k in degrees} == degrees
-    got = _result(built, ("startup", recipe))
-    assert got["notes"] == []
+    assert case.shard["notes"] == []
 
 
 @pytest.mark.parametrize("recipe,overrides", CASES, ids=[f"{r}{'+' if o else ''}{'+'.join(o)}" for r, o in CASES])
 def test_rank_shard_matches_the_plan(built, recipe, overrides):
-    from rlctl.recipes.load import load_recipe
     from rlctl.recipes.models import get_model_spec
 
-    loaded = load_recipe([recipe], list(overrides))
-    name = loaded.model.name
-    degrees, memory = planned(recipe, overrides)
-    got = _result(built, ("shard", recipe, overrides))
+    case = _case(built, ("shard", recipe, overrides))
+    name, degrees, memory, got = case.loaded.model.name, case.degrees, case.memory, case.shard
     # the model transformers builds is the one the planner counts
     assert got["full_params"] == pytest.approx(get_model_spec(name).total_params, rel=0.01)
     gib = 2**30
