@@ -24,6 +24,8 @@ Target = Literal["cpu", "gpu"]
 SERVED_MODEL_NAME = "policy"  # requests use this name whatever the checkpoint is called
 WORKER_EXTENSION = "rlctl.inference.worker_ext.ReloadExtension"
 AUTH_MIDDLEWARE = "rlctl.inference.auth.AdminAuthMiddleware"
+# The CPU build's engine core is forked instead of spawned (see vllm_cpu_main): ~12 s less per start.
+SERVER_MODULE = {"cpu": "rlctl.inference.vllm_cpu_main", "gpu": "vllm.entrypoints.openai.api_server"}
 _CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
 _DEEPEP_BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
 
@@ -182,7 +184,7 @@ def render_server_command(
     validate_features(recipe, target, has_module)
     inf = recipe.inference
     cmd = [
-        *python_module_argv("vllm.entrypoints.openai.api_server", python),
+        *python_module_argv(SERVER_MODULE[target], python),
         "--model", str(model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", host,

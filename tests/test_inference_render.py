@@ -38,7 +38,8 @@ def flag(cmd: list[str], name: str) -> str:
 
 def test_cpu_command_has_model_host_port_and_reload_extension():
     cmd = render(recipe(), CPU, "cpu")
-    assert cmd[1:4] == ["-P", "-m", "vllm.entrypoints.openai.api_server"]  # never imports from the cwd
+    # never imports from the cwd; vLLM's server with its engine core forked (rlctl.inference.vllm_cpu_main)
+    assert cmd[1:4] == ["-P", "-m", "rlctl.inference.vllm_cpu_main"]
     assert flag(cmd, "--model") == "/models/m"
     assert flag(cmd, "--host") == "10.0.0.5" and flag(cmd, "--port") == "8123"
     assert flag(cmd, "--max-model-len") == "64"
@@ -73,6 +74,7 @@ def test_gpu_command_renders_fp8_ep_deepep_and_memory():
     r = recipe("inference.fp8=true", "inference.ep=true", "inference.all2all_backend=deepep_low_latency",
                "inference.dp=4", "inference.tp=2", "inference.gpu_memory_utilization=0.8")
     cmd = render(r, GPU, "gpu", server_index=6, dp_master=("10.0.0.1", 13345))
+    assert cmd[1:4] == ["-P", "-m", "vllm.entrypoints.openai.api_server"]  # vLLM's own start on GPUs
     assert flag(cmd, "--quantization") == "fp8"
     assert "--enable-expert-parallel" in cmd
     assert flag(cmd, "--all2all-backend") == "deepep_low_latency"
@@ -205,3 +207,24 @@ def test_the_servers_tmpdir_sends_torchs_precompiled_headers_to_the_shared_cache
     header_dir = run_tmp / f"torchinductor_{getpass.getuser()}"
     (header_dir / "precompiled_headers").mkdir(parents=True)
     assert (shared / "precompiled_headers").is_dir() and not (tmp_path / "other").exists()
+
+
+def test_the_cpu_entry_keeps_fork_unless_the_user_chose(monkeypatch):
+    """vLLM's CPU platform sets `spawn`; the entry's hook puts `fork` back after it, except where the user
+    set a start method."""
+    import os
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    from rlctl.inference import vllm_cpu_main
+
+    calls = []
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config",
+                        classmethod(lambda cls, cfg: (calls.append(cfg), os.environ.__setitem__(vllm_cpu_main.START_METHOD, "spawn"))))
+    monkeypatch.setenv(vllm_cpu_main.START_METHOD, "spawn")
+    assert not vllm_cpu_main.keep_fork_on_cpu()  # the user's choice stands
+    monkeypatch.delenv(vllm_cpu_main.START_METHOD)
+    assert vllm_cpu_main.keep_fork_on_cpu()
+    CpuPlatform.check_and_update_config("config")
+    assert calls == ["config"] and os.environ[vllm_cpu_main.START_METHOD] == "fork"
+    monkeypatch.delenv(vllm_cpu_main.START_METHOD)
