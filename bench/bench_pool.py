@@ -1,6 +1,6 @@
 """Two LoRA runs sharing one inference pool vs the same two runs one after the other, each with its own server.
 
-    python bench/bench_pool.py [--steps 120] [--recipe recipes/tiny-lora-cpu.toml] [--out DIR] [--plain]
+    python bench/bench_pool.py [--steps 80] [--recipe recipes/tiny-lora-cpu.toml] [--out DIR] [--plain]
 
 isolated: each run on a pool of its own (`rlctl pool launch`, one run attached, the pool stopped after
           it), one after the other; wall = the sum of both, pool start-ups included. A pool of one
@@ -87,7 +87,7 @@ def on_pool(root: Path, recipe: str, steps: int, pool: str, runs: tuple[str, ...
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-lora-cpu.toml"))
     parser.add_argument("--out", default=None, help="Output root (default: a temporary directory).")
     parser.add_argument("--plain", action="store_true", help="Isolated runs without a pool (see above).")

@@ -101,7 +101,8 @@ def torch_step_times(model_dir: Path, batch: dict, cfg, warmup: int, steps: int)
     times = []
     for _ in range(warmup + steps):
         t0 = time.perf_counter()
-        logprobs, entropy = token_logprobs_and_entropy(model(input_ids=ids).logits, ids)
+        logprobs, entropy = token_logprobs_and_entropy(model(input_ids=ids).logits, ids,
+                                                       entropy_grad=cfg.loss.entropy_coef > 0)
         loss, _ = loss_fn(logprobs, batch["inference_logprobs"], batch["advantages"], batch["loss_mask"], cfg.loss,
                           entropy=entropy)
         loss.backward()

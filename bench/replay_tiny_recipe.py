@@ -6,13 +6,14 @@ group-relative advantages, loss (rlctl.trainer.loss), AdamW settings and batch s
 sampled by policy N-1 (the recipe's `max_off_policy_steps = 1`) — and drops the serving stack. It
 is how the recipe's learning rate and target length were chosen; run it before changing them:
 
-    python bench/replay_tiny_recipe.py [--recipe tiny-moe-cpu] [--seeds 16] [--workers 2] [-o trainer.optimizer.lr=5e-3 ...]
+    python bench/replay_tiny_recipe.py [--recipe tiny-moe-cpu] [--seeds 16] [--first-seed 0] [--workers 2] [-o trainer.optimizer.lr=5e-3 ...]
 
 `--recipe` replays another tiny recipe of the same task family (tiny-moe-cpu: the MoE model, run with
 transformers' own MoE blocks; expert parallelism changes no number, see tests/test_moe.py).
 
-Prints, per seed, the first step whose mean reward is >= 0.8 and the mean reward of the last 5 steps,
-then how many seeds reached 0.8 and ended (last 5 steps) at >= 0.8.
+Prints, per seed, the first step whose mean reward is >= 0.8 and the mean reward of the last 10 steps
+(what tests/test_e2e_lora.py checks of a real run), then how many seeds reached 0.8 and ended (last 10
+steps) at >= 0.8, and the worst ending.
 """
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def replay(seed: int, recipe_path: str, overrides: list[str], model_dir: str) ->
         adv = torch.tensor([a for g in range(n_prompts)
                             for a in group_advantages(r[g * G:(g + 1) * G], o.normalize_advantages)])
         sampler.load_state_dict(model.state_dict())  # the next batch comes from this step's policy
-        logp, _ = token_logprobs_and_entropy(model(seq).logits, seq)
-        loss, _ = importance_ratio_loss(logp, inf_lp, adv, loss_mask, loss_cfg)
+        logp, ent = token_logprobs_and_entropy(model(seq).logits, seq, entropy_grad=loss_cfg.entropy_coef > 0)
+        loss, _ = importance_ratio_loss(logp, inf_lp, adv, loss_mask, loss_cfg, entropy=ent)
         optimizer.zero_grad()
         loss.backward()
         if opt_cfg.max_grad_norm > 0:
@@ -94,7 +95,8 @@ def replay(seed: int, recipe_path: str, overrides: list[str], model_dir: str) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="tiny-cpu", help="a tiny recipe under recipes/ (tiny-cpu, tiny-moe-cpu)")
-    ap.add_argument("--seeds", type=int, default=16, help="sampling seeds 0..N-1")
+    ap.add_argument("--seeds", type=int, default=16, help="sampling seeds FIRST..FIRST+N-1")
+    ap.add_argument("--first-seed", type=int, default=0, help="the first sampling seed")
     ap.add_argument("--workers", type=int, default=2, help="seeds replayed in parallel (one core each)")
     ap.add_argument("-o", "--override", action="append", default=[], help="recipe override key=value")
     args = ap.parse_args()
@@ -108,16 +110,17 @@ def main() -> None:
         model_dir = str(build_tiny_model(Path(tmp) / "model", seed=recipe.model.build_seed, name=recipe.model.name))
         n = args.seeds
         with ProcessPoolExecutor(args.workers) as pool:
-            runs = list(pool.map(replay, range(n), [recipe_path] * n, [args.override] * n, [model_dir] * n))
+            runs = list(pool.map(replay, range(args.first_seed, args.first_seed + n), [recipe_path] * n, [args.override] * n, [model_dir] * n))
     reached = ended = 0
-    for seed, rw in enumerate(runs):
+    for seed, rw in enumerate(runs, args.first_seed):
         first = next((i for i, x in enumerate(rw) if x >= 0.8), None)
-        last5 = sum(rw[-5:]) / 5
+        last10 = sum(rw[-10:]) / 10
         reached += first is not None
-        ended += last5 >= 0.8
+        ended += last10 >= 0.8
         print(f"seed {seed:2d}: start {rw[0]:.3f}  first step >= 0.8: {first if first is not None else '-':>3}  "
-              f"last 5 steps {last5:.3f}")
-    print(f"{reached}/{len(runs)} seeds reached 0.8; {ended}/{len(runs)} ended >= 0.8 "
+              f"last 10 steps {last10:.3f}")
+    worst = min(sum(rw[-10:]) / 10 for rw in runs)
+    print(f"{reached}/{len(runs)} seeds reached 0.8; {ended}/{len(runs)} ended >= 0.8, worst {worst:.3f} "
           f"(overrides: {' '.join(args.override) or 'none'})")
 
 

@@ -86,8 +86,8 @@ def replay(seed: int, overrides: list[str], model_dir: str, lag: int = 1) -> lis
         # the sampler serves the policy `lag` steps behind the one about to be trained
         history.append(copy.deepcopy(model.state_dict()))
         sampler.load_state_dict(history.pop(0) if len(history) >= lag else history[0])
-        logp, _ = token_logprobs_and_entropy(model(seq).logits, seq)
-        loss, _ = importance_ratio_loss(logp, inf_lp, adv, mask, loss_cfg)
+        logp, ent = token_logprobs_and_entropy(model(seq).logits, seq, entropy_grad=loss_cfg.entropy_coef > 0)
+        loss, _ = importance_ratio_loss(logp, inf_lp, adv, mask, loss_cfg, entropy=ent)
         optimizer.zero_grad()
         loss.backward()
         if opt_cfg.max_grad_norm > 0:

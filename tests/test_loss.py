@@ -109,3 +109,32 @@ def test_load_loss_resolves_both_spellings_and_rejects_bad_paths():
     for bad in ("nonexistent_pkg_xyz:fn", "rlctl.trainer.loss:nope", "justaname"):
         with pytest.raises(RecipeError, match="trainer.loss.path"):
             load_loss(bad)
+
+
+def test_entropy_bonus_subtracts_the_weighted_mean_entropy_and_raises_it():
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 5, 7) * 3).requires_grad_(True)
+    ids = torch.randint(0, 7, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[:, 0] = False  # position 0 predicts nothing
+    cfg = SimpleNamespace(mask_low=0.125, mask_high=8.0, entropy_coef=0.1)
+    lp, ent = token_logprobs_and_entropy(logits, ids, entropy_grad=True)
+    # zero advantages: the tied group of the docstring, only the bonus moves the policy
+    loss, _ = importance_ratio_loss(lp, lp.detach(), torch.zeros(2), mask, cfg, entropy=ent)
+    assert loss.item() == pytest.approx(-0.1 * ent[mask].mean().item(), rel=1e-5)
+    loss.backward()
+    after = token_logprobs_and_entropy(logits.detach() - 1.0 * logits.grad, ids)[1]
+    assert after[mask].mean() > ent[mask].mean()
+    # the default keeps no graph for the entropy, and a coefficient of 0 leaves the loss alone
+    assert token_logprobs_and_entropy(logits, ids)[1].grad_fn is None
+    plain, _ = importance_ratio_loss(lp, lp.detach(), torch.zeros(2), mask, CFG, entropy=ent)
+    assert plain.item() == 0.0
+
+
+def test_entropy_coef_is_bounded_in_the_schema():
+    from rlctl.recipes.load import load_recipe
+
+    assert load_recipe(["tiny-cpu"], ["trainer.loss.entropy_coef=0.01"]).trainer.loss.entropy_coef == 0.01
+    for bad in ("-0.1", "2"):
+        with pytest.raises(RecipeError, match="trainer.loss.entropy_coef"):
+            load_recipe(["tiny-cpu"], [f"trainer.loss.entropy_coef={bad}"])

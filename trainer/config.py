@@ -40,6 +40,10 @@ class LossConfig(StrictModel):
     a bound above 1 would mask the on-policy tokens themselves)."""
     mask_high: Annotated[float, Field(ge=1)] = 8.0
     """Tokens whose trainer/inference probability ratio is above this are masked out (>= 1)."""
+    entropy_coef: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Weight of an entropy bonus (loss -= coef x mean entropy over the completion tokens); 0 = off.
+    A prompt whose whole group samples the same answer gets no gradient from its tied rewards, so a
+    policy that locks onto a wrong answer stays there; the bonus keeps some sampling spread."""
 
 
 class TrainerConfig(StrictModel):

@@ -6,6 +6,7 @@ For every completion token t of a sequence with group-relative advantage A:
 
     r_t  = exp(logp_trainer(t) - logp_inference(t))        # importance ratio, trainer vs. sampler
     loss = -(1/N) * sum_{t kept} r_t * A                    # the importance-weighted surrogate
+           -(c/N) * sum_{t completion} H_t                  # an entropy bonus, when c > 0
 
 Its gradient is `-(1/N) * sum r_t * A * grad logp_trainer(t)`: the policy gradient corrected for
 the rollout having been sampled by a different (older, differently-computed) policy. The same
@@ -15,7 +16,10 @@ tracks improvement on the batch (it falls as the policy moves towards high-advan
 A token is *kept* when it is a completion token (`loss_mask`) and its ratio lies inside
 `[mask_low, mask_high]`: where the two probabilities disagree that much the sample carries no
 trustworthy signal (a different policy version, a numerics mismatch), so it is dropped rather than
-clipped. N is the number of completion tokens (masked ones included), i.e. each term is normalised
+clipped. `H_t` is the entropy of the trainer's distribution at t (every completion position: it
+needs no sampled ratio) and `c` is `entropy_coef` (0 by default): a group whose samples all agree
+ties its rewards and gives no gradient, so without it a prompt locked onto a wrong answer stays
+locked. N is the number of completion tokens (masked ones included), i.e. each term is normalised
 by the token count; pass `num_tokens` to normalise by the count of the whole step when the batch is
 split across ranks and micro-batches, so the gradient does not depend on how it was split.
 
@@ -44,8 +48,9 @@ def importance_ratio_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The default loss (see the module docstring). Shapes: logprobs/mask [B, T], advantages [B].
 
-    `config` needs `mask_low` and `mask_high`; `entropy` is the per-token entropy [B, T] of the
-    trainer's distribution (only reported). Metrics are *sums* over this call's completion tokens
+    `config` needs `mask_low` and `mask_high` (and `entropy_coef`, 0 when absent); `entropy` is the
+    per-token entropy [B, T] of the trainer's distribution: reported, and the bonus's term when
+    `entropy_coef` > 0 (it must then carry gradients: `entropy_grad=True` below). Metrics are *sums* over this call's completion tokens
     (`tokens`, `mismatch_kl_sum`, `entropy_sum`, `masked_tokens`, `ratio_sum`) so callers can add
     them across micro-batches and ranks before dividing by the token total.
     """
@@ -58,6 +63,9 @@ def importance_ratio_loss(
     denom = torch.as_tensor(num_tokens if num_tokens is not None else count, dtype=ratio.dtype).clamp_min(1)
     per_token = -ratio * advantages.to(ratio.dtype).unsqueeze(-1)
     loss = (per_token * keep).sum() / denom
+    entropy_coef = getattr(config, "entropy_coef", 0.0)
+    if entropy_coef and entropy is not None:
+        loss = loss - entropy_coef * (entropy * mask).sum() / denom
 
     with torch.no_grad():
         lr = log_ratio.detach()
@@ -109,21 +117,31 @@ def load_loss(path: str) -> LossFn:
     return fn
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _entropy(logp: torch.Tensor, with_grad: bool) -> torch.Tensor:
+    # without gradients unless the loss has an entropy bonus: the graph would keep another [B, T, V]
+    with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+        return -(logp.exp() * logp).sum(-1)
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position log-prob of the *actual* token and the entropy of the predicting distribution.
 
     Position t of the result scores `input_ids[:, t]` from the logits at t-1 (position 0 gets 0), so
     the outputs align with `input_ids`, `loss_mask` and `inference_logprobs` of the rollout format.
+    The entropy carries gradients only with `entropy_grad` (an entropy bonus in the loss).
     """
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     chosen = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        ent = -(logp.exp() * logp).sum(-1)
+    ent = _entropy(logp, entropy_grad)
     pad = chosen.new_zeros(chosen.shape[0], 1)
     return torch.cat([pad, chosen], dim=1), torch.cat([pad, ent], dim=1)
 
 
-def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_of_labels(
+    logits: torch.Tensor, labels: torch.Tensor, *, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position fp32 log-prob of `labels[:, t]` under the logits at t, and that distribution's entropy.
 
     No shift inside: pair it with `context_parallel.next_token_targets` (labels[t] = input_ids[t+1],
@@ -132,6 +150,4 @@ def logprobs_of_labels(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        ent = -(logp.exp() * logp).sum(-1)
-    return chosen, ent
+    return chosen, _entropy(logp, entropy_grad)

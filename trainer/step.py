@@ -84,7 +84,7 @@ def _forward_logprobs(ctx: StepContext, mb: dict):
     kwargs = {"position_ids": mb["position_ids"]} if "position_ids" in mb else {}
     with replay:
         logits = ctx.model(input_ids=mb["input_ids"], **kwargs).logits
-    return logprobs_of_labels(logits, mb["labels"])
+    return logprobs_of_labels(logits, mb["labels"], entropy_grad=ctx.cfg.loss.entropy_coef > 0)
 
 
 def train_step(ctx: StepContext, batch: dict) -> dict:
