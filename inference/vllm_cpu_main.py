@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import runpy
-import sys
 
 log = logging.getLogger("rlctl.inference.vllm_cpu_main")
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
@@ -45,7 +44,6 @@ def keep_fork_on_cpu() -> bool:
 
 def main() -> None:
     keep_fork_on_cpu()
-    sys.argv[0] = "vllm.entrypoints.openai.api_server"
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 
