@@ -16,7 +16,8 @@ CLUSTER_SCRIPT = Path(__file__).parent / "slurm" / "cluster.sh"
 def vslurm():
     """Start (or reuse) the virtual cluster; yields its profile name. Skips only without root or
     apt-get, and never in CI (CI=true), where those tests must run. While Slurm tests run, a background
-    thread keeps the scheduler awake (see _cluster_activity)."""
+    thread keeps the scheduler awake (see _cluster_activity). A cluster this session started is stopped
+    at its end (no daemon outlives the test run); one that was already running is left running."""
     reason = None
     if os.geteuid() != 0:
         reason = "the virtual Slurm cluster needs root (tests/slurm/cluster.sh installs packages, starts daemons)"
@@ -35,6 +36,8 @@ def vslurm():
     yield "vslurm"
     stop.set()
     ticker.join(timeout=10)
+    if "reusing the running cluster" not in out.stdout:
+        subprocess.run(["bash", str(CLUSTER_SCRIPT.with_name("stop.sh"))], capture_output=True, timeout=120)
 
 
 def _cluster_activity(stop: threading.Event, every_s: float = 2.0) -> None:

@@ -269,14 +269,6 @@ def _until(run: Path, states: tuple[str, ...], timeout: float = 90.0):
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def vslurm():
-    script = Path(__file__).parent / "slurm" / "cluster.sh"
-    if os.geteuid() != 0:
-        pytest.skip("the virtual Slurm cluster needs root")
-    subprocess.run([str(script)], check=True, timeout=600, capture_output=True)
-
-
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_slurm_het_components_mapped_to_groups(vslurm, cli, tmp_path):

@@ -59,6 +59,7 @@ start_munge() {
   mkdir -p /run/munge && chown munge:munge /run/munge
   if ! pgrep -u munge -x munged >/dev/null; then
     runuser -u munge -- /usr/sbin/munged
+    : > "$STATE/started-munge"  # stop.sh stops only what this script started
   fi
   munge -n | unmunge >/dev/null || die "munge does not work"
 }
@@ -70,6 +71,7 @@ start_mariadb() {
     setsid nohup mysqld_safe --user=mysql >"$STATE/log/mysqld_safe.log" 2>&1 < /dev/null &
     for _ in $(seq 60); do mysqladmin ping >/dev/null 2>&1 && break; sleep 0.5; done
     mysqladmin ping >/dev/null 2>&1 || die "MariaDB did not start (see $STATE/log/mysqld_safe.log)"
+    : > "$STATE/started-mariadb"
   fi
   mysql -u root <<SQL
 CREATE DATABASE IF NOT EXISTS slurm_acct_db;

@@ -21,5 +21,14 @@ for pidfile in /run/slurmd-node*.pid; do
 done
 stop_pidfile /run/slurmctld.pid slurmctld
 stop_pidfile /run/slurmdbd.pid slurmdbd
-if mysqladmin ping >/dev/null 2>&1; then mysqladmin shutdown && echo "[vslurm] stopped mariadb"; fi
+# MariaDB and munge may be the host's own services: stop them only when cluster.sh started them.
+STATE="${VSLURM_STATE:-/var/lib/rlctl-vslurm}"
+if [[ -e $STATE/started-mariadb ]]; then
+  mysqladmin ping >/dev/null 2>&1 && mysqladmin shutdown && echo "[vslurm] stopped mariadb"
+  rm -f "$STATE/started-mariadb"
+fi
+if [[ -e $STATE/started-munge ]]; then
+  stop_pidfile /run/munge/munged.pid munged
+  rm -f "$STATE/started-munge"
+fi
 exit 0
