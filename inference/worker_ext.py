@@ -97,6 +97,23 @@ def _storage_read_bytes() -> int | None:
     return None
 
 
+def _install_cpu_routed_experts() -> None:
+    """vLLM imports this module in each worker process before it builds the model runner: the moment
+    to let the CPU runner return routed experts (cpu_routed_experts.py; inert unless the server asked
+    for them)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return
+    if current_platform.is_cpu():
+        from rlctl.inference.cpu_routed_experts import install
+
+        install()
+
+
+_install_cpu_routed_experts()
+
+
 class ReloadExtension:
     """Methods callable by name through `/collective_rpc` on every worker of the server."""
 

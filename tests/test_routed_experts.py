@@ -214,14 +214,20 @@ def test_router_replay_turns_on_routed_experts_in_the_server():
     assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env(off, "gpu", Path("run"), "a", "b")
 
 
-def test_router_replay_on_cpu_without_triton_cpu_is_refused_naming_the_key():
-    from rlctl.inference.server import validate_features
+def test_router_replay_on_cpu_needs_the_aux_output_connector_and_no_model_runner_v2():
+    from pathlib import Path
+
+    from rlctl.inference.server import server_env, validate_features, vllm_cpu_returns_routed_experts
 
     with pytest.raises(RecipeError) as err:
-        validate_features(_recipe("trainer.router_replay=true"), "cpu", lambda m: True, triton_cpu=lambda: False)
-    assert err.value.key == "trainer.router_replay" and "triton" in str(err.value).lower()
-    validate_features(_recipe("trainer.router_replay=true"), "cpu", lambda m: True, triton_cpu=lambda: True)
-    validate_features(_recipe("trainer.router_replay=false"), "cpu", lambda m: True, triton_cpu=lambda: False)
+        validate_features(_recipe("trainer.router_replay=true"), "cpu", lambda m: True, routed_experts_cpu=lambda: False)
+    assert err.value.key == "trainer.router_replay" and "0.32" in str(err.value)
+    validate_features(_recipe("trainer.router_replay=true"), "cpu", lambda m: True, routed_experts_cpu=lambda: True)
+    validate_features(_recipe("trainer.router_replay=false"), "cpu", lambda m: True, routed_experts_cpu=lambda: False)
+    # V2 needs Triton, which the CPU build lacks: the CPU V1 runner returns them (cpu_routed_experts.py)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env(_recipe("trainer.router_replay=true"), "cpu", Path("r"), "a", "b")
+    if pytest.importorskip("vllm"):
+        assert vllm_cpu_returns_routed_experts()
 
 
 
@@ -232,15 +238,13 @@ PROMPT = [1] + list(range(4, 24))  # <bos> then 20 characters of the tiny vocabu
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
-    """`python -m rlctl.inference` on tiny-qwen3-moe, as the launchers start it; routed experts on where
-    this vLLM can return them (a Triton CPU backend), else off (the recipe would be refused)."""
+    """`python -m rlctl.inference` on tiny-qwen3-moe, as the launchers start it, routed experts on."""
     pytest.importorskip("vllm")
     from inference_fixtures import served
-    from rlctl.inference.server import triton_has_cpu_backend
     from rlctl.orchestrator.exchange.files import atomic_write_json
     from rlctl.orchestrator.exchange.layout import RunDir
 
-    routed = triton_has_cpu_backend()
+    routed = True
     root = tmp_path_factory.mktemp("moe-inference")
     run = RunDir(root / "run")
     run.create()
@@ -301,8 +305,7 @@ def test_served_tiny_moe_uses_fused_cpu_experts_and_matches_transformers(moe_ser
 @pytest.mark.slow
 def test_served_routed_experts_align_and_agree_with_transformers(moe_server):
     run, info, log, routed = moe_server
-    if not routed:
-        pytest.skip("this vLLM returns routed experts only with a Triton CPU backend (triton-cpu), not installed")
+    assert "routed experts are captured by the CPU model runner" in log.read_text()
     choice = _served(run, info, routed_experts_prompt_start=0)["choices"][0]
     p, c = len(choice["prompt_token_ids"]), len(choice["token_ids"])
     got = decode_routed_experts(choice["routed_experts"])
