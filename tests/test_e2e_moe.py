@@ -1,6 +1,7 @@
 """`rlctl launch recipes/tiny-moe-cpu.toml --wait`: the real stack on a tiny MoE — vLLM's CPU build serving
-tiny-qwen3-moe through its fused experts (reloaded in place under per-expert names each step), router,
-orchestrator, and a 2-rank trainer with grouped experts and expert parallelism (ep = 2) — learns."""
+tiny-qwen3-moe through its fused experts (reloaded in place under per-expert names each step) and returning
+the experts it routed each token to, router, orchestrator, and a 2-rank trainer with grouped experts,
+expert parallelism (ep = 2) and router replay — learns."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny-moe-cpu.toml"
 
 
-def test_tiny_moe_with_expert_parallelism_learns(tmp_path):
+def test_tiny_moe_with_expert_parallelism_and_router_replay_learns(tmp_path):
     run, out, _ = launch_waiting(tmp_path, RECIPE, "moe")
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
     degrees = json.loads((run / "configs" / "placement.json").read_text())["trainer_degrees"]
@@ -31,6 +32,20 @@ def test_tiny_moe_with_expert_parallelism_learns(tmp_path):
     last = trainer[-1]
     assert len(last["tokens_per_expert"]) == 2 and all(len(layer) == 8 for layer in last["tokens_per_expert"])
     assert last["expert_load_imbalance"] >= 1.0
+    # router replay: every token-layer but each sample's last token (never run by vLLM) is routed by the
+    # experts vLLM chose — samples are ~5 tokens here, so ~0.8. Step 0 trains on what the same weights
+    # sampled (fp32 on both sides): the trainer's routers agree with vLLM's; later batches were sampled
+    # by the previous policy (one step off-policy), whose routing the trainer's routers no longer repeat
+    coverage = [r["router_replay_coverage"] for r in trainer]
+    assert 0.7 < min(coverage) and max(coverage) < 1.0, coverage
+    overrides = [r["router_replay_overrides"] for r in trainer]
+    assert overrides[0] < 0.01 and all(0.0 <= o <= 1.0 for o in overrides) and max(overrides) > 0.01, overrides
+    assert "routed experts are captured by the CPU model runner" in _inference_log(run)
     assert leftover_processes(run) == []
-    print(f"tiny-moe ep=2: reward {rewards[0]:.3f} -> {rewards[-1]:.3f}, "
-          f"mismatch_kl last {last['mismatch_kl']:.3f}, expert imbalance {last['expert_load_imbalance']:.2f}")
+    print(f"tiny-moe ep=2 + router replay: reward {rewards[0]:.3f} -> {rewards[-1]:.3f}, "
+          f"mismatch_kl last {last['mismatch_kl']:.3f}, expert imbalance {last['expert_load_imbalance']:.2f}, "
+          f"replay coverage {statistics.median(coverage):.3f}, overrides median {statistics.median(overrides):.3f}")
+
+
+def _inference_log(run) -> str:
+    return "".join(f.read_text(errors="replace") for f in (run / "logs").rglob("*") if f.is_file() and "inference" in str(f))

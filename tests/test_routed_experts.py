@@ -81,9 +81,8 @@ def test_moe_is_in_the_catalog_and_the_recipe_plans():
 
     assert CATALOG["tiny-qwen3-moe"] == TINY_QWEN3_MOE
     assert tiny_model.is_tiny_model("tiny-qwen3-moe") and not tiny_model.is_tiny_model("qwen3-30b-a3b")
-    # replay is off in the recipe (this CPU vLLM cannot return routed experts); the plan sizes it when on
-    assert (_recipe().model.name, _recipe().trainer.ep, _recipe().trainer.router_replay) == ("tiny-qwen3-moe", 2, False)
-    report = plan(_recipe("trainer.router_replay=true"))
+    assert (_recipe().model.name, _recipe().trainer.ep, _recipe().trainer.router_replay) == ("tiny-qwen3-moe", 2, True)
+    report = plan(_recipe())  # the plan sizes the replayed experts of a batch
     assert report.disk["router_replay_bytes_per_batch"] == 512 * 64 * LAYERS * TOP_K * 2  # int16 ids
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 _REPLAY = "_rlctl_replay"  # per-block attribute: the [tokens, K] replayed experts, or None
 _LOAD = "_rlctl_load"  # per-block attribute: tokens routed to each expert since the last reset
 _ROUTED = "_rlctl_routed"  # per-block attribute: the experts of the last forward that built a graph
+_REPLAY_COUNTS = "_rlctl_replay_counts"  # per-block: [token rows routed, replayed, replayed differently]
 
 
 def _unwrapped(layer):
@@ -78,8 +79,9 @@ def _grouped_topk_choice(gate, scores: torch.Tensor) -> torch.Tensor:
     return torch.topk(choice, k=gate.top_k, dim=-1, sorted=False)[1]
 
 
-def _replayed(index: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
-    """The replayed experts where a token's row is fully known (no -1), the router's own elsewhere."""
+def _replayed(index: torch.Tensor, replay: torch.Tensor | None, counts_on=None) -> torch.Tensor:
+    """The replayed experts where a token's row is fully known (no -1), the router's own elsewhere.
+    With `counts_on` (a block), adds to its replay counts (see `replay_counts`)."""
     if replay is None:
         return index
     if replay.shape != index.shape:
@@ -88,18 +90,26 @@ def _replayed(index: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
                          "input_ids this rank feeds the model")
     replay = replay.to(device=index.device, dtype=index.dtype)
     known = (replay >= 0).all(dim=-1, keepdim=True)
+    if counts_on is not None:
+        differs = (replay.sort(-1).values != index.sort(-1).values).any(-1, keepdim=True) & known
+        counts = torch.stack([torch.tensor(index.shape[0], device=index.device), known.sum(), differs.sum()])
+        previous = getattr(counts_on, _REPLAY_COUNTS, None)
+        setattr(counts_on, _REPLAY_COUNTS, counts if previous is None else previous + counts)
     return torch.where(known, replay, index)
 
 
-def route(block, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(block, x: torch.Tensor, replay: torch.Tensor | None = None,
+          count: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k expert index [N, K], routing weight [N, K]) of tokens `x` [N, H], as the block's
-    transformers router computes them; the experts of `replay` [N, K] where its row has no -1."""
+    transformers router computes them; the experts of `replay` [N, K] where its row has no -1.
+    `count`: add to the block's replay counts (not for a recomputed forward)."""
+    counts_on = block if count else None
     gate = block.gate
     if hasattr(gate, "e_score_correction_bias"):  # sigmoid scores, grouped top-k (DeepSeek-V3 / GLM)
         logits = F.linear(x.float(), gate.weight.float())
         scores = logits.sigmoid()
         with torch.no_grad():
-            index = _replayed(_grouped_topk_choice(gate, scores.detach()), replay)
+            index = _replayed(_grouped_topk_choice(gate, scores.detach()), replay, counts_on)
         weights = scores.gather(1, index)
         if gate.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -107,7 +117,7 @@ def route(block, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[t
     logits = F.linear(x, gate.weight)  # softmax top-k (Qwen2/Qwen3-MoE)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     with torch.no_grad():
-        index = _replayed(torch.topk(probs.detach(), gate.top_k, dim=-1)[1], replay)
+        index = _replayed(torch.topk(probs.detach(), gate.top_k, dim=-1)[1], replay, counts_on)
     weights = probs.gather(1, index)
     if gate.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -199,7 +209,7 @@ def moe_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     stashed = getattr(self, _ROUTED, None)
     if recompute and stashed is not None and stashed.shape[0] == x.shape[0]:
         replay = stashed  # the routing of the forward being recomputed, even outside `routing_replay`
-    index, weights = route(self, x, replay)
+    index, weights = route(self, x, replay, count=not recompute)
     if not recompute and torch.is_grad_enabled():
         setattr(self, _ROUTED, index.detach())
     if not recompute:
@@ -269,3 +279,17 @@ def expert_load(model, reset: bool = True) -> torch.Tensor:
         if reset:
             setattr(block, _LOAD, None)
     return torch.stack(rows)
+
+
+def replay_counts(model, reset: bool = True) -> torch.Tensor:
+    """Router replay since the last reset, summed over MoE blocks: [token rows routed, rows routed by
+    the replayed experts, of those the rows whose experts the router would have chosen differently]
+    (int64). A row is one token in one block; recomputed forwards are not counted."""
+    total = torch.zeros(3, dtype=torch.long)
+    for _, block in moe_blocks(model):
+        counts = getattr(block, _REPLAY_COUNTS, None)
+        if counts is not None:
+            total += counts.detach().cpu()
+        if reset:
+            setattr(block, _REPLAY_COUNTS, None)
+    return total

@@ -97,7 +97,10 @@ def train_step(ctx: StepContext, batch: dict) -> dict:
     total_tokens = float(batch["loss_mask"].sum())
     micro = list(micro_batches(ctx, batch))
     sums = torch.zeros(1 + len(METRIC_SUMS), dtype=torch.float64)
+    positions = 0  # real (unpadded) token positions this rank ran, for the router replay coverage
     for i, mb in enumerate(micro):
+        if ctx.router_replay:
+            positions = positions + mb["attention_mask"].sum()  # a device tensor: no sync per micro-batch
         ctx.model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce grads once per step
         logprobs, entropy = _forward_logprobs(ctx, mb)
         loss, m = ctx.loss_fn(
@@ -121,6 +124,8 @@ def train_step(ctx: StepContext, batch: dict) -> dict:
     out.update(loss=loss_sum, grad_norm=float(grad_norm), tokens=int(metric_sums[0]), lr=lr)
     if ctx.moe:
         out.update(expert_load_metrics(ctx))
+    if ctx.moe and ctx.router_replay:
+        out.update(replay_metrics(ctx, positions))
     return out
 
 
@@ -135,3 +140,20 @@ def expert_load_metrics(ctx: StepContext) -> dict:
     mean = load.mean(dim=1).clamp_min(1e-9)
     imbalance = float((load.max(dim=1).values / mean).mean())
     return {"tokens_per_expert": load.long().tolist(), "expert_load_imbalance": imbalance}
+
+
+def replay_metrics(ctx: StepContext, positions) -> dict:
+    """Router replay in this step (all ranks): the share of the real tokens' token-layers routed by the
+    experts inference used (padding is routed by the router and not counted), and the share of those
+    where the trainer's router would have chosen other experts."""
+    import torch.distributed as dist
+
+    from rlctl.trainer.moe import moe_blocks, replay_counts
+
+    counts = replay_counts(ctx.model, reset=True).double()
+    counts[0] = int(positions) * len(moe_blocks(ctx.model))  # real token-layers (the counts include padding)
+    counts = counts.to(ctx.device)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    real, replayed, differing = counts.tolist()
+    return {"router_replay_coverage": replayed / max(real, 1.0),
+            "router_replay_overrides": differing / max(replayed, 1.0)}

@@ -71,6 +71,12 @@ class TrainerStepRecord(StepRecord):
     """MoE models: tokens of the busiest expert over the mean per expert, averaged over MoE layers (1 = balanced)."""
     tokens_per_expert: list[list[int]] | None = None
     """MoE models: tokens routed to each expert in this step, one list per MoE layer (all ranks)."""
+    router_replay_coverage: float | None = None
+    """Router replay: share of the step's token-layers (padding excluded) routed by the experts inference
+    chose; the rest (each sample's last token, which inference never ran) by the trainer's router."""
+    router_replay_overrides: float | None = None
+    """Router replay: share of the replayed token-layers where the trainer's router would have chosen
+    other experts (what replay corrected: numeric near-ties and the routing of an older policy)."""
 
 
 @dataclass(kw_only=True)
