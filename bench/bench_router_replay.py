@@ -60,34 +60,28 @@ def _launch_training(work: Path) -> Path:
 
 
 def _trainer_logprobs(model, sample: dict, replay: bool):
-    """The trainer's fp32 logprobs of the completion tokens, and the experts its routers chose."""
+    """The trainer's logprobs of the completion tokens, computed as trainer/loss.py does."""
     import torch
 
-    from rlctl.trainer.moe import moe_blocks, routing_replay
+    from rlctl.trainer.loss import token_logprobs_and_entropy
+    from rlctl.trainer.moe import routing_replay
 
     ids = torch.tensor([sample["ids"]])
-    chosen = {}
-    # the grouped experts are called with (tokens, top-k index, weights): the index is the routing used
-    hooks = [block.experts.register_forward_hook(lambda m, inputs, out, li=li: chosen.__setitem__(li, inputs[1]))
-             for li, (_, block) in enumerate(moe_blocks(model))]
-    try:
-        with torch.no_grad(), routing_replay(model, sample["routed"].unsqueeze(0) if replay else None):
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-    finally:
-        for h in hooks:
-            h.remove()
-    p = sample["prompt_len"]
-    targets = ids[0, p:]
-    picked = logp[p - 1 : -1].gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked, torch.stack([chosen[li] for li in sorted(chosen)], 1)
+    with torch.no_grad(), routing_replay(model, sample["routed"].unsqueeze(0) if replay else None):
+        logp, _ = token_logprobs_and_entropy(model(input_ids=ids).logits, ids)
+    return logp[:, sample["prompt_len"]:]
 
 
-def _mismatch_kl(trainer_logp, inference_logp) -> tuple[float, int]:
-    """Sum over tokens of k3 = r - 1 - log r, r = p_trainer / p_inference (trainer/loss.py's metric)."""
+def _mismatch_kl(trainer_logp, inference_logp: list[float], loss_config) -> tuple[float, int]:
+    """(summed mismatch KL, tokens) as the trainer's loss reports them (`mismatch_kl_sum`), in fp64."""
     import torch
 
-    log_ratio = trainer_logp.double() - torch.tensor(inference_logp, dtype=torch.float64)
-    return float((log_ratio.exp() - 1 - log_ratio).sum()), log_ratio.numel()
+    from rlctl.trainer.loss import importance_ratio_loss
+
+    inference = torch.tensor([inference_logp], dtype=torch.float64)
+    every_token = torch.ones_like(inference, dtype=torch.bool)
+    _, m = importance_ratio_loss(trainer_logp.double(), inference, torch.zeros(1), every_token, loss_config)
+    return float(m["mismatch_kl_sum"]), int(m["tokens"])
 
 
 def main(argv=None) -> int:
@@ -127,12 +121,13 @@ def main(argv=None) -> int:
 
 def _policy_model(work: Path, run: Path) -> Path:
     """The tiny MoE's model directory (config, tokenizer) with the run's newest published weights."""
+    from rlctl.orchestrator.exchange.steps import complete_steps, step_dir_name
     from rlctl.trainer.tiny_model import build_tiny_model
 
-    steps = [d for d in (run / "weights").glob("step_*") if (d / "COMPLETE").exists()]
+    steps = complete_steps(run / "weights")
     if not steps:
         raise SystemExit(f"{run}: no published weights (weights/step_N/COMPLETE)")
-    policy = max(steps, key=lambda d: int(d.name.split("_")[1]))
+    policy = run / "weights" / step_dir_name(steps[-1])
     print(f"policy: {policy}")
     model_dir = build_tiny_model(work / "model", seed=0, name="tiny-qwen3-moe")
     for f in model_dir.glob("model*.safetensors*"):
@@ -146,29 +141,26 @@ def _report(model_dir: Path, samples: list[dict], args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlctl.trainer.moe import enable_grouped_experts, moe_blocks
-    from rlctl.trainer.tiny_model import TINY_QWEN3_MOE
+    from rlctl.recipes.load import load_recipe
+    from rlctl.trainer.moe import enable_grouped_experts, replay_counts
 
+    loss_config = load_recipe(["tiny-moe-cpu"], []).trainer.loss
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.trainer_dtype))
     enable_grouped_experts(model)  # as the trainer runs it
-    layers, top_k = len(moe_blocks(model)), TINY_QWEN3_MOE["num_experts_per_tok"]
     kl = {"recomputed": 0.0, "replayed": 0.0}
-    tokens = differing = rows = 0
+    tokens = 0
+    replay_counts(model)  # reset: counted from here, by the replayed forwards only
     for sample in samples:
         for mode in kl:
-            logp, chosen = _trainer_logprobs(model, sample, replay=mode == "replayed")
-            total, n = _mismatch_kl(logp, sample["logprobs"])
+            total, n = _mismatch_kl(_trainer_logprobs(model, sample, mode == "replayed"), sample["logprobs"],
+                                    loss_config)
             kl[mode] += total
-            if mode == "recomputed":
-                tokens += n
-                served = sample["routed"][:-1].long()  # the last token never ran through vLLM
-                mine = chosen[: len(served)].reshape(-1, layers, top_k)
-                differing += int((served.sort(-1).values != mine.sort(-1).values).any(-1).sum())
-                rows += served.shape[0] * layers
+        tokens += n
+    replayed, differing = replay_counts(model).tolist()  # token-layers vLLM ran, and those routed otherwise
     without, with_replay = kl["recomputed"] / tokens, kl["replayed"] / tokens
     print(json.dumps({"serve_dtype": args.serve_dtype, "trainer_dtype": args.trainer_dtype,
                       "completions": len(samples), "tokens": tokens,
-                      "token_layers_routed_differently": round(differing / max(rows, 1), 4)}))
+                      "token_layers_routed_differently": round(differing / max(replayed, 1), 4)}))
     print(f"mismatch KL without replay: {without:.3e}")
     print(f"mismatch KL with replay:    {with_replay:.3e}")
     print(f"ratio with/without: {with_replay / without if without else float('nan'):.3f} (goal <= 0.333)")

@@ -24,6 +24,7 @@ without V2, is told by `accept_v1_cpu_runner` (from vllm_cpu_main) that this run
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 # under "vllm." so that the line reaches the server log through vLLM's handler (runs in its worker)
 log = logging.getLogger("vllm.rlctl.cpu_routed_experts")
@@ -31,27 +32,20 @@ _INSTALLED = "_rlctl_routed_experts"
 
 
 def _snapshot(runner):
-    """The step just run, as the connector's `prepare_output` reads an MRV2 input batch."""
+    """(the connector's pending output, tokens sampled per request) of the step just run, or None on a
+    worker that does not own the output (TP rank > 0). `prepare_output` reads an MRV2 input batch's
+    request order, query offsets and computed-token counts: the V1 runner keeps them elsewhere."""
     batch = runner.input_batch
     n = batch.num_reqs
-    view = _BatchView(
+    pending = runner._rlctl_aux.prepare_output(SimpleNamespace(
         req_ids=list(batch.req_ids[:n]),
         query_start_loc_np=runner.query_start_loc.np[: n + 1].copy(),
         num_computed_tokens_np=batch.num_computed_tokens_cpu[:n].copy(),
-    )
-    pending = runner._rlctl_aux.prepare_output(view)
+    ))
+    if pending is None:
+        return None
     # a request whose prompt is still being prefilled in chunks samples nothing this step
-    sampled = (~runner.discard_request_mask.np[:n]).astype("int32")
-    return pending, sampled
-
-
-class _BatchView:
-    __slots__ = ("req_ids", "query_start_loc_np", "num_computed_tokens_np")
-
-    def __init__(self, req_ids, query_start_loc_np, num_computed_tokens_np):
-        self.req_ids = req_ids
-        self.query_start_loc_np = query_start_loc_np
-        self.num_computed_tokens_np = num_computed_tokens_np
+    return pending, (~runner.discard_request_mask.np[:n]).astype("int32")
 
 
 def accept_v1_cpu_runner() -> bool:
@@ -114,7 +108,7 @@ def install() -> bool:
         out = sample_tokens(self, *args, **kwargs)
         pending = getattr(self, "_rlctl_pending", None)
         self._rlctl_pending = None
-        if pending is not None and pending[0] is not None:
+        if pending is not None:
             snapshot, sampled = pending
             snapshot.enqueue_cpu_copy(num_sampled=sampled, num_rejected=np.zeros_like(sampled))
             out.aux_output_connector_output = snapshot.process_output()

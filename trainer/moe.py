@@ -25,7 +25,7 @@ import torch.nn.functional as F
 _REPLAY = "_rlctl_replay"  # per-block attribute: the [tokens, K] replayed experts, or None
 _LOAD = "_rlctl_load"  # per-block attribute: tokens routed to each expert since the last reset
 _ROUTED = "_rlctl_routed"  # per-block attribute: the experts of the last forward that built a graph
-_REPLAY_COUNTS = "_rlctl_replay_counts"  # per-block: [token rows routed, replayed, replayed differently]
+_REPLAY_COUNTS = "_rlctl_replay_counts"  # per-block: [token rows replayed, of those routed differently]
 
 
 def _unwrapped(layer):
@@ -92,7 +92,7 @@ def _replayed(index: torch.Tensor, replay: torch.Tensor | None, counts_on=None) 
     known = (replay >= 0).all(dim=-1, keepdim=True)
     if counts_on is not None:
         differs = (replay.sort(-1).values != index.sort(-1).values).any(-1, keepdim=True) & known
-        counts = torch.stack([torch.tensor(index.shape[0], device=index.device), known.sum(), differs.sum()])
+        counts = torch.stack([known.sum(), differs.sum()])
         previous = getattr(counts_on, _REPLAY_COUNTS, None)
         setattr(counts_on, _REPLAY_COUNTS, counts if previous is None else previous + counts)
     return torch.where(known, replay, index)
@@ -282,10 +282,10 @@ def expert_load(model, reset: bool = True) -> torch.Tensor:
 
 
 def replay_counts(model, reset: bool = True) -> torch.Tensor:
-    """Router replay since the last reset, summed over MoE blocks: [token rows routed, rows routed by
-    the replayed experts, of those the rows whose experts the router would have chosen differently]
-    (int64). A row is one token in one block; recomputed forwards are not counted."""
-    total = torch.zeros(3, dtype=torch.long)
+    """Router replay since the last reset, summed over MoE blocks: [rows routed by the replayed experts,
+    of those the rows whose experts the router would have chosen differently] (int64). A row is one
+    token in one block; recomputed forwards are not counted."""
+    total = torch.zeros(2, dtype=torch.long)
     for _, block in moe_blocks(model):
         counts = getattr(block, _REPLAY_COUNTS, None)
         if counts is not None:

@@ -146,13 +146,14 @@ def replay_metrics(ctx: StepContext, positions) -> dict:
     """Router replay in this step (all ranks): the share of the real tokens' token-layers routed by the
     experts inference used (padding is routed by the router and not counted), and the share of those
     where the trainer's router would have chosen other experts."""
+    import torch
     import torch.distributed as dist
 
     from rlctl.trainer.moe import moe_blocks, replay_counts
 
-    counts = replay_counts(ctx.model, reset=True).double()
-    counts[0] = int(positions) * len(moe_blocks(ctx.model))  # real token-layers (the counts include padding)
-    counts = counts.to(ctx.device)
+    real = int(positions) * len(moe_blocks(ctx.model))  # token-layers of real tokens (padding left out)
+    counts = torch.tensor([real, *replay_counts(ctx.model, reset=True).tolist()], dtype=torch.float64,
+                          device=ctx.device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     real, replayed, differing = counts.tolist()
     return {"router_replay_coverage": replayed / max(real, 1.0),
