@@ -2,7 +2,7 @@
 
 Every request carries `Authorization: Bearer <key>` (see `auth.py`): a client of the router holds the
 run's api key, which opens `/v1` only; a client of one server's own URL holds the admin token, which
-also opens the admin routes. Weight reloads (pause, `/collective_rpc`, resume) therefore go to every
+also opens the admin routes. Weight reloads (`/collective_rpc`, pause and resume) therefore go to every
 server directly, never through the router — which would also forward an unknown route to one backend.
 """
 from __future__ import annotations
@@ -288,22 +288,32 @@ def announced_servers(run) -> list[InferenceClient]:
     return [InferenceClient(info["url"], token) for info in sorted(run.announced("inference"), key=lambda i: i["index"])]
 
 
-async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: str = "keep",
+async def reload_all(servers: list[InferenceClient], step_dir: str, pause_mode: str | None = None,
                      transport: str = "filesystem", adapter: str = SERVED_MODEL_NAME) -> dict:
-    """Pause every server, reload each in place from `step_dir`, resume them all (even on failure).
-    With the broadcast transport all servers receive at once: the sender waits for all of them.
+    """Load `step_dir` into every server in place; with `pause_mode` ('keep', 'wait', 'abort') pause
+    them all first and resume them all afterwards (even on failure). With the broadcast transport all
+    servers receive at once: the sender waits for all of them.
+
+    No pause is needed for the weights to change between two forward passes: a reload (or receive, or
+    adapter swap) is one utility call that vLLM's engine core runs between two engine steps, and a
+    worker takes its calls in order, so requests in flight simply continue under the new weights, as
+    they would after a pause in mode 'keep'. The pause would add two HTTP round trips and the ~20 ms
+    vLLM's `/pause` sleeps before it answers; a caller that wants requests drained or dropped first
+    asks for it.
 
     Returns seconds per phase: {"pause_s", "reload_s", "resume_s", "total_s", "load_s_max", "servers"}, and
     `bytes_read_max`: the most weight bytes one server's worker read (`ReloadExtension.rlctl_reload`).
     """
     t0 = time.perf_counter()
-    await asyncio.gather(*(s.pause(pause_mode) for s in servers))
+    if pause_mode is not None:
+        await asyncio.gather(*(s.pause(pause_mode) for s in servers))
     t1 = time.perf_counter()
     try:
         results = await asyncio.gather(*(s.load(step_dir, transport, len(servers), adapter) for s in servers))
         t2 = time.perf_counter()
     finally:
-        resumed = await asyncio.gather(*(s.resume() for s in servers), return_exceptions=True)
+        resumed = ([] if pause_mode is None else
+                   await asyncio.gather(*(s.resume() for s in servers), return_exceptions=True))
     t3 = time.perf_counter()
     failed = [f"{s.url}: {r}" for s, r in zip(servers, resumed) if isinstance(r, BaseException)]
     if failed:

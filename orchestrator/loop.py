@@ -9,10 +9,10 @@ one server. Three cooperating pieces run on one asyncio loop:
   `max_off_policy_steps + 1` batches of finished groups can wait in the queue: memory stays bounded
   however slow the trainer or the backend is;
 - each *group task* streams its completions and tags every received token with the policy version
-  current when it arrived. The weight watcher bumps the version only after all servers resumed, so a
-  token generated just after a resume may be tagged one version too old (safe for the off-policy bound);
-  tagging one too new would need a chunk generated before the pause to reach us after the resume and
-  the bump, i.e. to stay in transit longer than a whole pause/reload/resume round — we accept that;
+  current when it arrived. The weight watcher bumps the version only after all servers reloaded, so a
+  token generated just after a reload may be tagged one version too old (safe for the off-policy bound);
+  tagging one too new would need a chunk generated before the reload to reach us after the reload and
+  the bump, i.e. to stay in transit longer than a whole reload round — we accept that;
 - the *collector* takes finished groups in completion order, drops those whose oldest token is older
   than N - max_off_policy_steps (the dispatcher replaces each dropped group), computes group-relative
   advantages and writes `rollouts/step_N` atomically.

@@ -2,11 +2,12 @@
 
 The trainer publishes `weights/step_N/` (marker last): the weights themselves, or with the broadcast
 transport a manifest naming where trainer rank 0 waits to send them (`exchange/weights_broadcast.py`).
-When a step newer than the served version is complete, the watcher pauses all servers (mode `keep`:
-running requests freeze and continue afterwards under the new weights), reloads each in place (or has
-all of them receive it at once), resumes them, and only then bumps the version — so a token is never
-tagged with a version newer than the weights that produced it (see `loop.py`). If several steps landed
-meanwhile, it jumps straight to the newest. Nothing is restarted.
+When a step newer than the served version is complete, the watcher reloads every server in place (or
+has all of them receive it at once) — one call that each server's engine runs between two forward
+passes, so running requests continue under the new weights without a pause (`client.reload_all`) —
+and only then bumps the version, so a token is never tagged with a version newer than the weights
+that produced it (see `loop.py`). If several steps landed meanwhile, it jumps straight to the newest.
+Nothing is restarted.
 
 `serving(version)` records what the servers serve (the trainer's retention keeps every newer step,
 see `exchange/retention.py`): once at start, before the first look for weights, and after each
@@ -26,7 +27,7 @@ from rlctl.orchestrator.loop import PolicyVersion
 Reloader = Callable[[Path], Awaitable[dict[str, Any]]]
 
 
-def inference_reloader(server_urls: list[str], admin_token: str, pause_mode: str = "keep") -> tuple[Reloader, Callable]:
+def inference_reloader(server_urls: list[str], admin_token: str, pause_mode: str | None = None) -> tuple[Reloader, Callable]:
     """A reload function over the inference servers' admin routes, and an async close for its clients.
 
     `server_urls` are the servers' own URLs as they announced them: the admin token goes there and

@@ -11,6 +11,7 @@ NFS/Lustre keep rename atomic within a directory).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import struct
 from pathlib import Path
 from typing import Iterable
 
-from rlctl.orchestrator.exchange.files import DIR_MODE, FILE_MODE, fsync_path, private_dir
+from rlctl.orchestrator.exchange.files import DIR_MODE, FILE_MODE, fsync_path, private_dir, write_durably
 from rlctl.orchestrator.exchange.steps import MARKER, STAGING_SUFFIX, parse_step, seal
 from rlctl.orchestrator.exchange.weights import RankGroup, SingleProcess, StepDirectoryStore, hf_state_dict
 
@@ -49,15 +50,12 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> in
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the reference writer does
+    data = (t.detach().reshape(-1).view(torch.uint8).numpy().data for t in tensors.values() if t.numel())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    with os.fdopen(fd, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for t in tensors.values():
-            if t.numel():
-                f.write(t.detach().reshape(-1).view(torch.uint8).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
-    return 8 + len(blob) + offset
+    try:
+        return write_durably(fd, itertools.chain([struct.pack("<Q", len(blob)) + blob], data))
+    finally:
+        os.close(fd)
 
 
 def _tensor_names(path: Path) -> list[str]:
