@@ -53,6 +53,11 @@ class OrchestratorConfig(StrictModel):
     """Seed for prompt sampling and model initialisation."""
     request_timeout_s: Seconds = 3600.0
     """Seconds one generation request may take before it is retried (then the run fails)."""
+    stream_interval: Annotated[int, Field(ge=1, le=1 << 16)] = 8
+    """Tokens per streamed chunk of a completion (vLLM's `stream_interval`). 1 tags every token with the
+    exact policy version that generated it; more sends fewer, larger chunks (less serving work per
+    token), and the tokens of a chunk take the version seen when the chunk before it arrived: up to
+    this many tokens after a reload are tagged one version old (the safe side of the off-policy bound)."""
     final_weights_timeout_s: Seconds = 900.0
     """After the last batch, seconds the orchestrator waits for the trainer's final weights."""
     dataset: DatasetConfig | None = None

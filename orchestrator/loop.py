@@ -12,7 +12,10 @@ one server. Three cooperating pieces run on one asyncio loop:
   current when it arrived. The weight watcher bumps the version only after all servers reloaded, so a
   token generated just after a reload may be tagged one version too old (safe for the off-policy bound);
   tagging one too new would need a chunk generated before the reload to reach us after the reload and
-  the bump, i.e. to stay in transit longer than a whole reload round — we accept that;
+  the bump, i.e. to stay in transit longer than a whole reload round — we accept that. With chunks of
+  several tokens (`stream_interval` > 1) a chunk sent after a reload can hold tokens generated before
+  it, so its tokens take the version current when the choice's previous chunk arrived (the version at
+  send time for the first): every token of it was generated after that chunk left the server;
 - the *collector* takes finished groups in completion order, drops those whose oldest token is older
   than N - max_off_policy_steps (the dispatcher replaces each dropped group), computes group-relative
   advantages and writes `rollouts/step_N` atomically.
@@ -78,6 +81,7 @@ class LoopSettings:
     normalize_std: bool = False
     request_retries: int = 3
     request_timeout_s: float = 3600.0
+    stream_interval: int = 1  # tokens per streamed chunk (orchestrator.stream_interval)
     routed_experts: bool = False  # router replay: keep the experts inference routed each token to
     max_turns: int = 1  # multi-turn environments: generated turns per trajectory
     max_trajectory_tokens: int | None = None  # tokens after the prompt; None = max_turns × max_tokens
@@ -86,7 +90,7 @@ class LoopSettings:
     def from_config(cls, cfg, start_step: int = 0) -> "LoopSettings":
         return cls(cfg.rollouts_per_step, cfg.group_size, cfg.max_tokens, cfg.max_off_policy_steps, cfg.max_in_flight,
                    cfg.temperature, start_step, cfg.max_steps, cfg.normalize_advantages,
-                   request_timeout_s=cfg.request_timeout_s, max_turns=cfg.max_turns,
+                   request_timeout_s=cfg.request_timeout_s, stream_interval=cfg.stream_interval, max_turns=cfg.max_turns,
                    max_trajectory_tokens=cfg.max_trajectory_tokens)
 
     @property
@@ -234,16 +238,19 @@ class RolloutLoop:
         body = {
             "model": SERVED_MODEL_NAME, "prompt": prompt.text, "n": G, "max_tokens": self.s.max_tokens,
             "temperature": self.s.temperature, "top_p": 1.0, "logprobs": 0, "return_token_ids": True,
-            "stream": True, "cache_salt": policy_cache_salt(version),
+            "stream": True, "cache_salt": policy_cache_salt(version), "stream_interval": self.s.stream_interval,
         }
+        seen_before = [version] * G  # per choice: the version when its previous chunk arrived
         async with self._post_completions(session, body, group_id) as resp:
             async for choice, now_version, ids, lps in streamed_choices(resp, self.policy):
                 r = rollouts[choice["index"]]
+                tag = now_version if self.s.stream_interval == 1 else seen_before[r.index]
+                seen_before[r.index] = now_version
                 if choice.get("prompt_token_ids"):
                     r.prompt_ids = list(choice["prompt_token_ids"])
                 r.completion_ids.extend(ids)
                 r.logprobs.extend(lps)
-                r.versions.extend([now_version] * len(ids))
+                r.versions.extend([tag] * len(ids))
                 r.text += choice.get("text") or ""
                 if choice.get("finish_reason"):
                     r.finish_reason = choice["finish_reason"]

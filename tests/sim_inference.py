@@ -1,7 +1,7 @@
 """A simulated inference server speaking vLLM's wire protocol, for orchestrator tests and benchmarks.
 
 It is a real HTTP server (aiohttp, own process): streamed `/v1/completions` with `n`, `logprobs`,
-`return_token_ids`, plus `/pause`, `/resume`, `/collective_rpc` (rlctl_reload), `/v1/models` and `/health`.
+`return_token_ids`, `stream_interval`, plus `/pause`, `/resume`, `/collective_rpc` (rlctl_reload), `/v1/models` and `/health`.
 With `--token` the admin routes need it; `/v1` takes it or `--api-key` (as the real servers, see auth.py). Prompts starting with
 `slow` stream 10x slower. Each generated token encodes the server's policy version at the moment it was generated (token id
 `TOKEN_BASE + version`, logprob `-(version + 1) / 10`), so tests can check the orchestrator's
@@ -84,14 +84,21 @@ class SimServer:
             async with self.slots:
                 if self.request_overhead:
                     await asyncio.sleep(self.request_overhead)
+                interval, pending = int(body.get("stream_interval") or 1), []  # versions not yet sent
                 for step in range(max_tokens):
                     await asyncio.sleep(delay)
                     await self.resumed.wait()  # pause(mode=keep): requests freeze, then continue
-                    v = self.adapters.get(body.get("model"), self.version)
+                    pending.append(self.adapters.get(body.get("model"), self.version))
+                    # as vLLM's stream_interval: the first token at once, then every `interval`, the last
+                    if not (step == 0 or len(pending) >= interval or step == max_tokens - 1):
+                        continue
+                    sent, pending = pending, []
                     events = []
                     for i in range(n):
-                        choice = {"index": i, "text": chr(ord("a") + v % 26), "token_ids": [token_for(v)],
-                                  "logprobs": {"token_logprobs": [-(v + 1) / 10], "tokens": [f"token_id:{token_for(v)}"]},
+                        choice = {"index": i, "text": "".join(chr(ord("a") + v % 26) for v in sent),
+                                  "token_ids": [token_for(v) for v in sent],
+                                  "logprobs": {"token_logprobs": [-(v + 1) / 10 for v in sent],
+                                               "tokens": [f"token_id:{token_for(v)}" for v in sent]},
                                   "finish_reason": "length" if step == max_tokens - 1 else None}
                         if step == 0:
                             choice["prompt_token_ids"] = prompt_ids

@@ -1,10 +1,11 @@
 """Off-policy bound and per-token policy versions, against a real streaming server whose weights change
-mid-request (reloaded through the real weight watcher: pause → reload → resume → version bump)."""
+mid-request (reloaded through the real weight watcher: reload → version bump)."""
 from __future__ import annotations
 
 import asyncio
 import random
 
+import pytest
 import torch
 from sim_inference import TOKEN_BASE, fetch_stats, sim_server
 
@@ -37,11 +38,14 @@ async def run_with_watcher(loop: RolloutLoop, weights, url: str, publisher) -> W
     return watcher
 
 
-def test_tokens_are_tagged_with_the_version_that_generated_them(tmp_path):
+@pytest.mark.parametrize("stream_interval", [1, 4])
+def test_tokens_are_tagged_with_the_version_that_generated_them(tmp_path, stream_interval):
+    """One token per chunk: tags exact but for the tokens between a reload and the version bump. Four per
+    chunk (a chunk spans about one reload): never newer than the truth, and at most two versions older."""
     weights, rollouts = tmp_path / "weights", tmp_path / "rollouts"
     publish(weights, 0)
     settings = LoopSettings(rollouts_per_step=16, group_size=4, max_tokens=12, max_off_policy_steps=100,
-                            max_in_flight=32, max_steps=4)
+                            max_in_flight=32, max_steps=4, stream_interval=stream_interval)
     with sim_server(token_delay=0.05, token=TOKEN) as url:
         loop = RolloutLoop(settings, load_environment("sequence"), url, TOKEN, PolicyVersion(0), FilesystemBatchWriter(rollouts),
                            rng=random.Random(0))
@@ -62,13 +66,14 @@ def test_tokens_are_tagged_with_the_version_that_generated_them(tmp_path):
         recorded = t["policy_version"][m].long()
         assert (t["policy_version"][~m] == -1).all()
         assert (recorded <= truth).all(), "a token was tagged with a newer policy than the one that generated it"
-        # Tokens generated between a resume and the version bump are tagged one version too old (safe side).
-        assert (recorded >= truth - 1).all()
+        # Tokens generated between a reload and the version bump are tagged one version too old (safe side).
+        assert (recorded >= truth - (1 if stream_interval == 1 else 2)).all()
         exact += int((recorded == truth).sum())
         total += int(m.sum())
         mixed += sum(len(set(row[mask].tolist())) > 1 for row, mask in zip(t["policy_version"], m))
         assert torch.allclose(t["inference_logprobs"][m], -(truth.float() + 1) / 10)
-    assert exact >= 0.75 * total, f"only {exact}/{total} tokens tagged exactly"
+    if stream_interval == 1:
+        assert exact >= 0.75 * total, f"only {exact}/{total} tokens tagged exactly"
     assert mixed > 0, "no completion spanned a weight reload"
     assert len([s for s in stats["salts"] if s.startswith("rlctl-policy-")]) > 1  # cache salt follows the version
 
