@@ -12,7 +12,6 @@ import argparse
 import collections
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,8 +22,9 @@ import urllib.request
 from pathlib import Path
 
 from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
-                                   inference_target, ipc_safe_tmpdir, render_server_command, server_env,
+                                   inference_target, render_server_command, server_env,
                                    share_compile_cache, tensor_parallel)
+from rlctl.inference.ipc_dir import ipc_safe_tmpdir
 from rlctl.inference.processes import exit_status, own_group_dying_with_parent, private_umask, stop_process_group
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
 from rlctl.orchestrator.exchange.placement import Placement
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                                       tp=tensor_parallel(recipe, placement))}
     private_tmp = ipc_safe_tmpdir(env["TMPDIR"])  # a deep run dir would overflow socket paths
     if private_tmp:
-        env["TMPDIR"] = private_tmp
+        env["TMPDIR"] = private_tmp.path
     for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
         Path(env[key]).mkdir(parents=True, exist_ok=True)
     share_compile_cache(env["TMPDIR"], env["TORCHINDUCTOR_CACHE_DIR"])
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         pump.join(timeout=5)
         (run.services / "inference" / f"{index}.json").unlink(missing_ok=True)
         if private_tmp:
-            shutil.rmtree(private_tmp, ignore_errors=True)
+            private_tmp.remove()
 
 
 def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key) -> int:

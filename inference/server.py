@@ -323,23 +323,6 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
     return env
 
 
-# vLLM binds ZMQ IPC sockets at $TMPDIR/<uuid4>; a unix socket path holds at most 107 bytes.
-_SOCKET_PATH_MAX = 107 - len("/") - 36
-
-
-def ipc_safe_tmpdir(preferred: str) -> str | None:
-    """None when `preferred` (the run dir's tmp) is short enough for vLLM's IPC sockets; else a new
-    private directory under the node's temp dir (the caller removes it when the server is gone)."""
-    if len(os.fsencode(preferred)) <= _SOCKET_PATH_MAX:
-        return None
-    import tempfile
-
-    base = os.environ.get("TMPDIR") or "/tmp"
-    if len(os.fsencode(base)) > _SOCKET_PATH_MAX - 24:
-        base = "/tmp"
-    return tempfile.mkdtemp(prefix="rlctl-vllm-", dir=base)
-
-
 def format_command(cmd: list[str]) -> str:
     """Shell-quoted command line for logs and `--dry-run` (safe: argv never holds a key)."""
     return shlex.join(cmd)
