@@ -18,7 +18,7 @@ from pathlib import Path
 SOCKET_PATH_MAX = 107 - len("/") - 36  # what is left of a socket path for its directory
 PREFIX = "rlctl-vllm-"
 OWNER_LOCK = "owner.lock"
-UNLOCKED_GRACE_S = 60.0  # a directory without its lock file yet may be in the middle of being created
+YOUNG_S = 60.0  # a directory this recent may still be between its creation and its owner's lock
 
 
 class PrivateIpcDir:
@@ -34,28 +34,33 @@ class PrivateIpcDir:
         os.close(self._lock)
 
 
+def _owner_alive(path: Path) -> bool:
+    """Whether a process holds the directory's lock (a directory without a lock file has no owner)."""
+    try:
+        fd = os.open(path / OWNER_LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: nobody holds it
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def sweep_leftovers(base: str) -> list[str]:
-    """Remove this user's directories under `base` whose owner is gone; returns their paths."""
+    """Remove this user's directories under `base` whose owner is gone; returns their paths. Young ones
+    are left alone: their owner may not have taken its lock yet."""
     removed = []
     for path in Path(base).glob(PREFIX + "*"):
         try:
-            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+            info = path.lstat()
+            if (not path.is_dir() or path.is_symlink() or info.st_uid != os.getuid()
+                    or time.time() - info.st_mtime < YOUNG_S or _owner_alive(path)):
                 continue
-            lock = path / OWNER_LOCK
-            if not lock.exists():
-                if time.time() - path.stat().st_mtime > UNLOCKED_GRACE_S:
-                    shutil.rmtree(path, ignore_errors=True)  # its owner died before locking it
-                    removed.append(str(path))
-                continue
-            fd = os.open(lock, os.O_RDWR)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: nobody holds it, the owner is gone
-        except OSError:
-            continue  # its owner is alive
-        finally:
-            os.close(fd)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
     return removed

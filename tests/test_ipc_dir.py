@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.inference.ipc_dir import PREFIX, UNLOCKED_GRACE_S, PrivateIpcDir, ipc_safe_tmpdir
+from rlctl.inference.ipc_dir import PREFIX, YOUNG_S, PrivateIpcDir, ipc_safe_tmpdir
 
 OWNER = """
 import sys, time
@@ -41,8 +41,9 @@ def test_a_killed_servers_directory_goes_a_live_ones_stays(tmp_path, short_tmp):
     live = PrivateIpcDir(str(base))
     unlocked_old = base / f"{PREFIX}old"  # its owner died between creating and locking it, long ago
     unlocked_old.mkdir()
-    os.utime(unlocked_old, (time.time() - 2 * UNLOCKED_GRACE_S,) * 2)
-    unlocked_new = base / f"{PREFIX}new"  # being created right now
+    for old in (killed_dir, live.path, unlocked_old):  # past the age below which nothing is swept
+        os.utime(old, (time.time() - 2 * YOUNG_S,) * 2)
+    unlocked_new = base / f"{PREFIX}new"  # being created right now: not locked yet
     unlocked_new.mkdir()
     try:
         assert ipc_safe_tmpdir(str(tmp_path / "run" / "tmp")) is None  # short enough: nothing to do

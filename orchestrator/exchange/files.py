@@ -51,9 +51,9 @@ def write_durably(fd: int, buffers: Iterable[memoryview]) -> int:
         view = memoryview(buffer).cast("B")
         for chunk_start in range(0, len(view), WRITEBACK_CHUNK):
             chunk = view[chunk_start:chunk_start + WRITEBACK_CHUNK]
+            length = len(chunk)
             while chunk:  # os.write may write less than asked
                 chunk = chunk[os.write(fd, chunk):]
-            length = min(WRITEBACK_CHUNK, len(view) - chunk_start)
             start_writeback(fd, offset, length)
             offset += length
     os.fsync(fd)
