@@ -21,19 +21,23 @@ from rlctl.inference.processes import exit_status, has_exited, members, python_m
 from e2e_checks import running, wait_for
 
 # A component: starts a "server" in its own process group (in the component's session) whose child ignores
-# SIGTERM too, prints both pids, then itself ignores SIGTERM.
+# SIGTERM too, ignores SIGTERM itself, then prints the three pids. Each process prints only after its handler
+# is set, so the test's SIGTERM can never arrive before it (it once did, and the component died of it).
 COMPONENT = textwrap.dedent("""
     import os, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     server = subprocess.Popen([sys.executable, "-c", '''
     import os, signal, subprocess, sys, time
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    helper = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
-    print(helper.pid, flush=True)
+    helper = subprocess.Popen([sys.executable, "-c", "import os, signal, time; "
+                               "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                               "print(os.getpid(), flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    print(int(helper.stdout.readline()), flush=True)
     time.sleep(600)
     '''], stdout=subprocess.PIPE, text=True, process_group=0)
     helper = int(server.stdout.readline())
     print(os.getpid(), server.pid, helper, flush=True)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
 """)
 
