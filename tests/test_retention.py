@@ -16,7 +16,8 @@ import torch
 from rlctl.launchers.resume import rewind
 from rlctl.orchestrator.exchange import steps as steps_module
 from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchReader
-from rlctl.orchestrator.exchange.checkpoints import ORCHESTRATOR, TRAINER, complete_checkpoints, write_part
+from rlctl.orchestrator.exchange.checkpoints import (ORCHESTRATOR, TRAINER, complete_checkpoints, newest_complete,
+                                                     prune_progress, write_part)
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.retention import (prune_checkpoints, record_serving, release_rollouts,
                                                    retain_weights, serving_path, sweep_for_rewind,
@@ -203,6 +204,39 @@ def test_pruning_removes_every_marker_before_any_file(run, monkeypatch):
     monkeypatch.setattr(steps_module.shutil, "rmtree", rmtree)
     assert prune_checkpoints(run.checkpoints, keep_last=1) == [2, 4]
     assert complete_checkpoints(run.checkpoints) == [6]
+
+
+
+def test_readers_and_pruners_of_checkpoints_tolerate_a_step_vanishing_under_them(run):
+    """The trainer prunes old checkpoints while the orchestrator lists them and prunes its progress
+    parts (a benchmark run once died of FileNotFoundError on a step the trainer had just removed)."""
+    stop, errors = threading.Event(), []
+
+    def trainer() -> None:  # saves a checkpoint per step and keeps only the newest, as fast as it can
+        step = 0
+        try:
+            while not stop.is_set():
+                step += 1
+                write_part(run.checkpoints, step, ORCHESTRATOR, {"state.json": b"{}"})
+                write_part(run.checkpoints, step, TRAINER, {"state": b"x"})
+                prune_checkpoints(run.checkpoints, keep_last=1)
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    checks = 0
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not errors:
+            newest = newest_complete(run.checkpoints) or 0  # what the orchestrator does after each batch
+            prune_progress(run.checkpoints, newest)
+            checks += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert checks > 50 and len(complete_checkpoints(run.checkpoints)) == 1
 
 
 # ---- staging leftovers --------------------------------------------------------------------------

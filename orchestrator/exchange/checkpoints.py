@@ -28,12 +28,22 @@ def step_path(checkpoints: Path, step: int) -> Path:
     return Path(checkpoints) / step_dir_name(step)
 
 
+def _parts(folder: Path) -> list[Path]:
+    """The part directories of a step, [] when the step is gone. The trainer prunes old checkpoints and
+    the orchestrator its old progress parts while the other lists them: a step may vanish at any moment."""
+    try:
+        return [p for p in folder.iterdir() if p.is_dir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def is_complete(checkpoints: Path, step: int) -> bool:
     folder = step_path(checkpoints, step)
     if not (folder / TRAINER / MARKER).exists():
         return False
-    others = [p for p in folder.iterdir() if p.is_dir() and p.name != TRAINER and not p.name.startswith(".")]
-    return all((p / MARKER).exists() for p in others)
+    others = [p for p in _parts(folder) if p.name != TRAINER and not p.name.startswith(".")]
+    # a step being removed reads as incomplete: every marker goes before any file, in any order
+    return all((p / MARKER).exists() for p in others) and (folder / TRAINER / MARKER).exists()
 
 
 def all_steps(checkpoints: Path) -> list[int]:
@@ -51,9 +61,8 @@ def complete_checkpoints(checkpoints: Path) -> list[int]:
 
 def remove_checkpoint(folder: Path) -> None:
     """Every part's marker first (then the step is incomplete for every reader), then the files."""
-    for part in folder.iterdir() if folder.is_dir() else ():
-        if part.is_dir():
-            (part / MARKER).unlink(missing_ok=True)
+    for part in _parts(folder):
+        (part / MARKER).unlink(missing_ok=True)
     remove_step(folder)
 
 

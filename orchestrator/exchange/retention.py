@@ -130,7 +130,11 @@ def _sweep_parts(checkpoints: Path, part: str | None) -> list[str]:
     swept = []
     for step in all_steps(checkpoints):
         folder = step_path(checkpoints, step)
-        for child in folder.iterdir() if folder.is_dir() else ():
+        try:
+            children = list(folder.iterdir())
+        except (FileNotFoundError, NotADirectoryError):  # pruned meanwhile by the other component
+            continue
+        for child in children:
             name = child.name
             if not (name.startswith(".") and name.endswith(STAGING_SUFFIX)):
                 continue
