@@ -44,6 +44,9 @@ def test_local_run_follows_the_env_contract_with_logs_and_status(tmp_path):
     assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in tr} == {
         ("127.0.0.1", tr[0]["MASTER_PORT"], "2", "2")}
     assert [e["RANK"] for e in tr] == ["0", "1"] and [e["LOCAL_RANK"] for e in tr] == ["0", "1"]
+    # the ranks share the host with the server: the cores left after one for it, split between them
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, ((os.cpu_count() or 1) - 1) // 2))
+    assert {e.get("OMP_NUM_THREADS") for e in tr} == {threads}
     inf = recs["inference.0"]["env"]
     assert inf["RLCTL_SERVER_INDEX"] == "0" and inf["RLCTL_BIND_HOST"] == "127.0.0.1"
     assert all(r["env"]["RLCTL_RUN_DIR"] == str(run) and r["env"]["RLCTL_ATTEMPT"] == "0" for r in recs.values())

@@ -231,3 +231,17 @@ def test_a_pool_is_one_plain_job_with_its_front_beside_the_servers():
     assert len(sruns) == 2 and "--ntasks=1 --overlap" in sruns[0]
     # a run's het job still names its components
     assert all("--het-group=" in ln for ln in _script([ORCH, INF, TR]).splitlines() if ln.startswith("srun "))
+
+
+@pytest.mark.parametrize("cpus, trainers, servers, threads", [
+    (2, 1, 1, 1),   # the peer bench's one-rank trainer beside one CPU server: not 2 threads on 2 cores
+    (2, 2, 1, 1),   # never fewer than one
+    (16, 2, 1, 7),
+    (16, 4, 0, 4),  # a run attached to a pool elsewhere: every core is the trainer's
+])
+def test_local_trainer_ranks_leave_a_core_to_each_server_on_the_host(cpus, trainers, servers, threads):
+    from rlctl.launchers.local import trainer_threads
+
+    groups = [JobGroup("orchestrator", 0, 1, 1, "rlctl.orchestrator"), JobGroup("trainer", 1, 1, trainers, "m")]
+    groups += [JobGroup("inference", 2, servers, 1, "rlctl.inference")] if servers else []
+    assert trainer_threads(groups, cpus) == threads
