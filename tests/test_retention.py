@@ -206,7 +206,6 @@ def test_pruning_removes_every_marker_before_any_file(run, monkeypatch):
     assert complete_checkpoints(run.checkpoints) == [6]
 
 
-
 def test_readers_and_pruners_of_checkpoints_tolerate_a_step_vanishing_under_them(run):
     """The trainer prunes old checkpoints while the orchestrator lists them and prunes its progress
     parts (a benchmark run once died of FileNotFoundError on a step the trainer had just removed)."""
