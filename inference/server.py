@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import shlex
 import socket
 import sys
@@ -328,8 +329,39 @@ def format_command(cmd: list[str]) -> str:
     return shlex.join(cmd)
 
 
+# Listening ports come from below the kernel's ephemeral range (and below the trainers' rendezvous ports,
+# 20000 and up): a port picked from that range can be taken as the local end of any outgoing connection
+# on the host (gloo's, HTTP clients') in the seconds before vLLM binds it, and the server then dies of
+# EADDRINUSE (it happened in a test run).
+LISTEN_PORTS = (10000, 20000)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str) -> int:
-    """A port the OS reports free on `host` (the server binds it moments later)."""
+    """A port free on `host` now that no outgoing connection will take before the server binds it
+    moments later: random in LISTEN_PORTS below the ephemeral range; the OS's pick if none is free."""
+    low, high = LISTEN_PORTS[0], min(LISTEN_PORTS[1], ephemeral_ports()[0])
+    rng = random.SystemRandom()
+    for _ in range(64 if high > low else 0):
+        port = rng.randrange(low, high)
+        if _bindable(host, port):
+            return port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rlctl.inference.processes import (PRIVATE_UMASK, exit_status, private_umask, python_module_argv,
                                        stop_process_groups)
+from rlctl.inference.server import free_port
 from rlctl.launchers.env import component_command, component_env, component_popen_options
 from rlctl.launchers.groups import JobGroup
 from rlctl.orchestrator.exchange.layout import RunDir
@@ -71,12 +72,6 @@ def start_supervisor(run: RunDir, attempt: int, extra_env: dict | None = None) -
     atomic_write_json(record, {"pid": proc.pid, "state": "starting", "returncode": None, "attempt": attempt,
                                "started": started})
     return proc.pid
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_threads(groups: list[JobGroup], cpus: int | None = None) -> int:
@@ -137,7 +132,7 @@ class Supervisor:
         recipe = json.loads(run.recipe_json.read_text())
         self.grace = float(recipe["deployment"]["grace_period_s"])
         groups = [JobGroup.from_dict(g) for g in json.loads((run.configs / "groups.json").read_text())]
-        port = _free_port()
+        port = free_port("127.0.0.1")  # the trainers' rendezvous
         threads = trainer_threads(groups)
         self.tasks = [Task(run, attempt, g, r, port, threads) for g in groups for r in range(g.ntasks)]
         self.cancelled = False

@@ -112,3 +112,21 @@ def test_unsupported_cpu_head_dim_fails_before_starting_vllm(tmp_path, monkeypat
     monkeypatch.setenv("RLCTL_BIND_HOST", "127.0.0.1")
     assert main(["--run-dir", str(run.root)]) == 1
     assert "head_dim 16" in capsys.readouterr().err
+
+
+def test_listening_ports_come_from_below_the_ephemeral_range(monkeypatch):
+    """A port from the ephemeral range can become the local end of any outgoing connection before the
+    server binds it (a server once died of EADDRINUSE that way)."""
+    import socket
+
+    from rlctl.inference import server
+
+    low = server.ephemeral_ports()[0]
+    ports = {server.free_port("127.0.0.1") for _ in range(20)}
+    assert all(server.LISTEN_PORTS[0] <= p < min(server.LISTEN_PORTS[1], low) for p in ports), ports
+    with socket.socket() as taken:  # a port in use is never handed out
+        taken.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(server, "LISTEN_PORTS", (taken.getsockname()[1], taken.getsockname()[1] + 1))
+        assert server.free_port("127.0.0.1") != taken.getsockname()[1]  # the OS's pick instead
+    monkeypatch.setattr(server, "ephemeral_ports", lambda: (1024, 65535))  # no room below: the OS picks
+    assert server.free_port("127.0.0.1") > 0
