@@ -125,7 +125,7 @@ def read_job(job_id: str) -> tuple[dict[int, dict] | None, str]:
         out[index] = {"state": raw, "ours": STATES.get(raw, "unknown"),
                       "nodelist": _nodes(q.get("nodes") or a.get("nodes") or "") or None,
                       "exit_code": a.get("exit_code"), "start": _time(a.get("start")), "end": _time(a.get("end")),
-                      "restarts": _restarts(a), "reason": q.get("reason", "")}
+                      "restarts": _restarts(a, q.get("state")), "reason": q.get("reason", "")}
     return out, "" if out else (acct_why or queue_why or "no accounting record")
 
 
@@ -139,12 +139,14 @@ def job_finished(states: dict[int, dict]) -> bool:
     return bool(states) and all(v["state"] not in ACTIVE_STATES for v in states.values())
 
 
-def _restarts(record: dict) -> int:
-    """Earlier (requeued) records, plus the newest one when it is itself REQUEUED: sacct shows that
-    record before the record of the next run exists."""
+def _restarts(record: dict, queued: str | None = None) -> int:
+    """Earlier (requeued) records, plus the newest one when it is itself REQUEUED (sacct shows that
+    record before the record of the next run exists) or when squeue (`queued`) already has the job
+    pending again while accounting, a moment behind, still has its last run running."""
     if not record:
         return 0
-    return record["records"] - 1 + (record["state"] == "REQUEUED")
+    behind = queued in ("PENDING", "REQUEUED") and record["state"] in ("RUNNING", "COMPLETING")
+    return record["records"] - 1 + (record["state"] == "REQUEUED" or behind)
 
 
 def _time(value: str | None) -> str | None:

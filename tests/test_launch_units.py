@@ -245,3 +245,22 @@ def test_local_trainer_ranks_leave_a_core_to_each_server_on_the_host(cpus, train
     groups = [JobGroup("orchestrator", 0, 1, 1, "rlctl.orchestrator"), JobGroup("trainer", 1, 1, trainers, "m")]
     groups += [JobGroup("inference", 2, servers, 1, "rlctl.inference")] if servers else []
     assert trainer_threads(groups, cpus) == threads
+
+
+def test_a_requeue_counts_as_a_restart_before_accounting_catches_up(monkeypatch):
+    """Right after `scontrol requeue`, squeue has the job pending while sacct still has its run running
+    (a suite run saw 'pending, 0 restarts'); once sacct has the REQUEUED record the count stays 1."""
+    from rlctl.launchers import slurm_state
+
+    def acct(state: str, records: int = 1):
+        return lambda job: ({0: {"state": state, "records": records, "exit_code": "0:0", "nodes": "node1",
+                                 "start": "2026-12-03T10:00:00", "end": "Unknown"}}, "")
+
+    monkeypatch.setattr(slurm_state, "squeue_components", lambda job: ({0: {"state": "PENDING", "nodes": ""}}, ""))
+    for sacct, restarts in [(acct("RUNNING"), 1), (acct("REQUEUED"), 1), (acct("PENDING", 2), 1), (acct("PENDING"), 0)]:
+        monkeypatch.setattr(slurm_state, "sacct_components", sacct)
+        out, _ = slurm_state.read_job("7")
+        assert out[0]["ours"] == "pending" and out[0]["restarts"] == restarts
+    monkeypatch.setattr(slurm_state, "squeue_components", lambda job: ({0: {"state": "RUNNING", "nodes": "n"}}, ""))
+    monkeypatch.setattr(slurm_state, "sacct_components", acct("RUNNING"))
+    assert slurm_state.read_job("7")[0][0]["restarts"] == 0
