@@ -344,13 +344,11 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bind(host: str, port: int) -> int:
+    """Bind `port` on `host` (0: the OS's pick) and let it go again; OSError when it is taken."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+        s.bind((host, port))
+        return s.getsockname()[1]
 
 
 def free_port(host: str) -> int:
@@ -359,9 +357,8 @@ def free_port(host: str) -> int:
     low, high = LISTEN_PORTS[0], min(LISTEN_PORTS[1], ephemeral_ports()[0])
     rng = random.SystemRandom()
     for _ in range(64 if high > low else 0):
-        port = rng.randrange(low, high)
-        if _bindable(host, port):
-            return port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            return _bind(host, rng.randrange(low, high))
+        except OSError:
+            continue
+    return _bind(host, 0)

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlctl.inference.server import free_port
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import atomic_write_json
 from rlctl.orchestrator.exchange.metrics import StepRecord
@@ -39,12 +40,6 @@ class SmokeStepRecord(StepRecord):
 
 ENV_PREFIXES = ("RLCTL_", "MASTER_", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_ID", "SLURMD_NODENAME")
 ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _wait_done(run: RunDir, timeout_s: float = 24 * 3600) -> None:
@@ -83,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return _smoke_training(run, recipe, rank, steps, float(smoke.get("step_s", 0.5)))
     if group == "inference":
         host = os.environ["RLCTL_BIND_HOST"]
-        url = f"http://{host}:{_free_port(host)}"
+        url = f"http://{host}:{free_port(host)}"
         run.announce("inference", os.environ["RLCTL_SERVER_INDEX"],
                      {"url": url, "index": int(os.environ["RLCTL_SERVER_INDEX"]), "pid": os.getpid(), "host": host})
         _wait_done(run)
@@ -101,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"smoke orchestrator: only {len(run.announced('inference'))}/{want} servers", flush=True)
                 return 4
             time.sleep(0.2)
-        router = {"url": f"http://127.0.0.1:{_free_port('127.0.0.1')}", "pid": os.getpid()}
+        router = {"url": f"http://127.0.0.1:{free_port('127.0.0.1')}", "pid": os.getpid()}
         run.announce("router", "0", router)
         record["saw"] = {"inference": [a["url"] for a in run.announced("inference")], "router": router["url"]}
         atomic_write_json(out, record)
