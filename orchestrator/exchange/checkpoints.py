@@ -28,13 +28,17 @@ def step_path(checkpoints: Path, step: int) -> Path:
     return Path(checkpoints) / step_dir_name(step)
 
 
-def _parts(folder: Path) -> list[Path]:
-    """The part directories of a step, [] when the step is gone. The trainer prunes old checkpoints and
+def step_entries(folder: Path) -> list[Path]:
+    """What a step directory holds, [] when the step is gone. The trainer prunes old checkpoints and
     the orchestrator its old progress parts while the other lists them: a step may vanish at any moment."""
     try:
-        return [p for p in folder.iterdir() if p.is_dir()]
+        return list(folder.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _parts(folder: Path) -> list[Path]:
+    return [p for p in step_entries(folder) if p.is_dir()]
 
 
 def is_complete(checkpoints: Path, step: int) -> bool:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from rlctl.orchestrator.exchange.checkpoints import (ORCHESTRATOR, TRAINER, all_steps, complete_checkpoints,
-                                                     remove_checkpoint, step_path)
+                                                     remove_checkpoint, step_entries, step_path)
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.steps import STAGING_SUFFIX, complete_steps, sweep_staging
 
@@ -130,11 +130,7 @@ def _sweep_parts(checkpoints: Path, part: str | None) -> list[str]:
     swept = []
     for step in all_steps(checkpoints):
         folder = step_path(checkpoints, step)
-        try:
-            children = list(folder.iterdir())
-        except (FileNotFoundError, NotADirectoryError):  # pruned meanwhile by the other component
-            continue
-        for child in children:
+        for child in step_entries(folder):
             name = child.name
             if not (name.startswith(".") and name.endswith(STAGING_SUFFIX)):
                 continue
