@@ -20,8 +20,10 @@ from pathlib import Path
 
 from rlctl.inference.processes import PRIVATE_UMASK, die_with_parent, exit_status, python_module_argv, stop_process_group
 
-# Rendezvous ports are derived from the job id so that all ranks agree without talking.
-PORT_BASE, PORT_SPAN = 20000, 20000
+# Rendezvous ports are derived from the job id so that all ranks agree without talking. They stay below
+# Linux's default ephemeral range (32768 and up): a port in it can be the local end of some outgoing
+# connection on the node when the rank binds it. Listening servers take 10000-19999 (free_port).
+PORT_BASE, PORT_SPAN = 20000, 12768
 
 
 def master_port_for(job_id: str) -> int:

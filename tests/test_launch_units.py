@@ -118,6 +118,14 @@ def test_trainer_env_comes_from_its_group_nodes():
     assert all(e["WORLD_SIZE"] == "4" and e["RLCTL_ATTEMPT"] == "1" for e in envs)
 
 
+def test_rendezvous_ports_stay_between_the_servers_ports_and_the_ephemeral_range():
+    from rlctl.inference.server import LISTEN_PORTS
+
+    ports = {master_port_for(str(job)) for job in range(30_000)} | {master_port_for("12345_7")}
+    assert min(ports) >= LISTEN_PORTS[1] and max(ports) < 32768  # Linux's default ephemeral range starts there
+    assert len(ports) > 10_000  # spread: jobs sharing a node rarely collide
+
+
 def test_inference_env_binds_to_its_node_and_never_all_interfaces():
     e = component_env(run_dir="/r", attempt=0, group="inference", rank=3, local_rank=1, local_world_size=2,
                       world_size=4, node_index=1, node_addrs=["10.0.0.1", "10.0.0.2"], master_port=1)
