@@ -95,13 +95,17 @@ def slurm_task_env(group, run_dir: str, attempt: int, environ: dict | None = Non
     known = dict(p.split("=", 1) for p in environ.get(f"RLCTL_NODE_ADDRS_{k}", "").split(",") if "=" in p)
     this = environ.get("SLURMD_NODENAME", names[0])
     node_index = names.index(this) if this in names else int(environ.get("SLURM_NODEID", 0))
-    return component_env(
+    env = component_env(
         run_dir=run_dir, attempt=attempt, group=group.name,
         rank=int(environ.get("SLURM_PROCID", 0)), local_rank=int(environ.get("SLURM_LOCALID", 0)),
         local_world_size=group.ntasks_per_node, world_size=group.ntasks, node_index=node_index,
         node_addrs=[known.get(n) or node_address(n) for n in names],
         master_port=master_port_for(environ.get("SLURM_JOB_ID", "0")),
     )
+    if group.name == "trainer" and "OMP_NUM_THREADS" not in environ:  # the user's setting wins
+        # The task's own CPUs, not the node's: a server colocated on the node has CPUs of its own step.
+        env["OMP_NUM_THREADS"] = str(group.cpus_per_task)
+    return env
 
 
 def component_command(module: str, run_dir: str) -> list[str]:

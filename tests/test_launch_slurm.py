@@ -100,6 +100,9 @@ def test_smoke_launch_wait_runs_one_het_job_with_the_contract(vslurm, tmp_path, 
     assert {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"], r["env"]["WORLD_SIZE"]) for r in tr} == {
         ("127.0.0.1", tr[0]["env"]["MASTER_PORT"], "16")}
     assert sorted(int(r["env"]["RANK"]) for r in tr) == list(range(16))
+    cpus = {g["name"]: g["cpus_per_task"] for g in json.loads((run / "configs" / "groups.json").read_text())}
+    # a rank's threads: its own task's CPUs (or the OMP_NUM_THREADS the job was submitted with)
+    assert {r["env"].get("OMP_NUM_THREADS") for r in tr} == {os.environ.get("OMP_NUM_THREADS") or str(cpus["trainer"])}
     for node in nodes[2]:
         assert sorted(int(r["env"]["LOCAL_RANK"]) for r in tr if r["node"] == node) == list(range(8))
     inf = recs["inference"]

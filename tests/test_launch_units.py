@@ -153,6 +153,10 @@ def test_slurm_task_env_uses_its_own_group_nodelist_and_the_looked_up_addresses(
     assert (env["MASTER_ADDR"], env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
         "10.1.0.2", "9", "1", "16", "8")
     assert env["MASTER_PORT"] == str(master_port_for("77")) and env["RLCTL_ATTEMPT"] == "2"
+    assert env["OMP_NUM_THREADS"] == "1"  # the task's CPUs (JobGroup's default cpus_per_task)
+    assert "OMP_NUM_THREADS" not in slurm_task_env(trainer, "/r", 2, environ | {"OMP_NUM_THREADS": "3"})
+    assert "OMP_NUM_THREADS" not in slurm_task_env(JobGroup("inference", 1, 1, 1, "m", cpus_per_task=4), "/r", 2,
+                                                   environ | {"SLURM_JOB_NODELIST_HET_GROUP_1": "node5"})
 
 
 @pytest.mark.parametrize("field,value", [("job_name", "rlctl-a\nscancel -u $USER"), ("partition", "gpu\nrm -rf ~"),
