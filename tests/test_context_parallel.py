@@ -7,7 +7,6 @@ sequence, and compares with the same model on one rank computed the way the trai
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlctl.inference.server import free_port as _server_free_port
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.context_parallel import (
     check_context_parallel, enable_ulysses, next_token_targets, shard_sequence,
@@ -231,19 +231,13 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest deviation relative to the reference tensor's scale."""
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def test_ulysses_cp2_matches_one_rank(tmp_path):
-    world, port = 2, _free_port()
+    world, port = 2, _server_free_port("127.0.0.1")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(tmp_path)], env=env,

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from rlctl.inference.server import free_port as server_free_port
 from rlctl.orchestrator.exchange.metrics import read_records
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.batches_fs import write_batch
@@ -81,9 +81,8 @@ def write_batches(run: RunDir, batch: dict, steps) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A rendezvous port for ranks started now (not the OS's pick: see rlctl.inference.server.free_port)."""
+    return server_free_port("127.0.0.1")
 
 
 def launch_ranks(run: RunDir, world: int, extra_env: dict | None = None, args=()) -> list[subprocess.Popen]:

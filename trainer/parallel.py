@@ -8,16 +8,9 @@ the world. Experts are split over `ep` by `expert_parallel.py` and FSDP-sharded 
 from __future__ import annotations
 
 import os
-import socket
 
 from rlctl.trainer.degrees import ParallelDims, resolve_dims  # noqa: F401 - re-exported for callers
 from rlctl.trainer.layers import decoder_layers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed() -> tuple[int, int, "torch.device"]:  # noqa: F821
@@ -31,7 +24,9 @@ def init_distributed() -> tuple[int, int, "torch.device"]:  # noqa: F821
 
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        from rlctl.inference.server import free_port  # below the ephemeral range: see there
+
+        os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"trainer: WORLD_SIZE is set but {', '.join(missing)} is not (set by the launcher)")
