@@ -334,6 +334,7 @@ def format_command(cmd: list[str]) -> str:
 # on the host (gloo's, HTTP clients') in the seconds before vLLM binds it, and the server then dies of
 # EADDRINUSE (it happened in a test run).
 LISTEN_PORTS = (10000, 20000)
+LINUX_EPHEMERAL_PORTS = (32768, 60999)  # the kernel's default ip_local_port_range
 
 
 def ephemeral_ports() -> tuple[int, int]:
@@ -341,7 +342,7 @@ def ephemeral_ports() -> tuple[int, int]:
         low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(low), int(high)
     except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return LINUX_EPHEMERAL_PORTS
 
 
 def _bind(host: str, port: int) -> int:

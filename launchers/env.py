@@ -19,11 +19,14 @@ import time
 from pathlib import Path
 
 from rlctl.inference.processes import PRIVATE_UMASK, die_with_parent, exit_status, python_module_argv, stop_process_group
+from rlctl.inference.server import LINUX_EPHEMERAL_PORTS, LISTEN_PORTS
 
-# Rendezvous ports are derived from the job id so that all ranks agree without talking. They stay below
-# Linux's default ephemeral range (32768 and up): a port in it can be the local end of some outgoing
-# connection on the node when the rank binds it. Listening servers take 10000-19999 (free_port).
-PORT_BASE, PORT_SPAN = 20000, 12768
+# Rendezvous ports are derived from the job id so that all ranks agree without talking (so from fixed
+# bounds, not each node's own port range). Above the listening servers' ports (free_port) and below
+# Linux's default ephemeral range: a port in it can be the local end of some outgoing connection on the
+# node when the rank binds it.
+PORT_BASE = LISTEN_PORTS[1]
+PORT_SPAN = LINUX_EPHEMERAL_PORTS[0] - PORT_BASE
 
 
 def master_port_for(job_id: str) -> int:
