@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 RLCTL = [sys.executable, "-m", "rlctl.cli.main"]
-STEPS, INTERVAL = 12, 3
+STEPS, INTERVAL = 21, 3
 RECIPE = [str(REPO / "recipes" / "tiny-cpu.toml"), "--cluster", "local",
           "-o", f"orchestrator.max_steps={STEPS}", "-o", f"checkpoint.interval={INTERVAL}",
           "-o", "orchestrator.rollouts_per_step=128", "-o", "orchestrator.max_in_flight=256",
@@ -57,9 +57,12 @@ def metrics(run: Path, component: str) -> list[dict]:
 
 
 def kill_after_checkpoint(run: Path, after: int, victim: str) -> int:
-    """Wait for a complete checkpoint newer than `after`, SIGKILL `victim`; returns that checkpoint."""
-    step = wait_for(lambda: (n := newest_complete(run / "checkpoints")) is not None and n > after and n < STEPS and n,
-                    400, f"a checkpoint after step {after}")
+    """Wait for a complete checkpoint newer than `after`, SIGKILL `victim`; returns that checkpoint.
+    Only a checkpoint that leaves 2 intervals to go: after a kill the trainer goes on with the batches
+    already written (2-token steps are fast) and checkpoints where teardown stops it; killed 3 steps
+    before the end (12 steps, checkpoint 9), a run once trained to the end first, leaving nothing to resume."""
+    step = wait_for(lambda: (n := newest_complete(run / "checkpoints")) is not None and after < n <= STEPS - 2 * INTERVAL
+                    and n, 400, f"a checkpoint after step {after}")
     os.kill(pid_of(run, victim), signal.SIGKILL)
     status = ended(run)
     assert status.state == "failed", status.to_dict()
