@@ -26,7 +26,8 @@ SERVED_MODEL_NAME = "policy"  # requests use this name whatever the checkpoint i
 WORKER_EXTENSION = "rlctl.inference.worker_ext.ReloadExtension"
 AUTH_MIDDLEWARE = "rlctl.inference.auth.AdminAuthMiddleware"
 # The CPU build's engine core is forked instead of spawned (see vllm_cpu_main): ~12 s less per start.
-SERVER_MODULE = {"cpu": "rlctl.inference.vllm_cpu_main", "gpu": "vllm.entrypoints.openai.api_server"}
+# Both load a swapped LoRA adapter once rather than at every engine step (see vllm_main).
+SERVER_MODULE = {"cpu": "rlctl.inference.vllm_cpu_main", "gpu": "rlctl.inference.vllm_main"}
 _CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
 _DEEPEP_BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
 

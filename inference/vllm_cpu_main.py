@@ -1,5 +1,5 @@
 """`python -P -m rlctl.inference.vllm_cpu_main ARGS`: vLLM's OpenAI server for the CPU build, its engine
-core forked rather than spawned.
+core forked rather than spawned (and adapter swaps read once, as on GPUs: vllm_main.py).
 
 vLLM's API server runs its engine core in a child process. Its CPU platform sets the start method to
 `spawn` unconditionally (`CpuPlatform.check_and_update_config`), so that child imports torch,
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
-import runpy
 import sys
+
+from rlctl.inference.vllm_main import load_adapters_in_place_once, run_openai_server
 
 log = logging.getLogger("rlctl.inference.vllm_cpu_main")
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
@@ -52,7 +53,8 @@ def main() -> None:
         from rlctl.inference.cpu_routed_experts import accept_v1_cpu_runner
 
         accept_v1_cpu_runner()
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+    load_adapters_in_place_once()
+    run_openai_server()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_gpu_command_renders_fp8_ep_deepep_and_memory():
     r = recipe("inference.fp8=true", "inference.ep=true", "inference.all2all_backend=deepep_low_latency",
                "inference.dp=4", "inference.tp=2", "inference.gpu_memory_utilization=0.8")
     cmd = render(r, GPU, "gpu", server_index=6, dp_master=("10.0.0.1", 13345))
-    assert cmd[1:4] == ["-P", "-m", "vllm.entrypoints.openai.api_server"]  # vLLM's own start on GPUs
+    assert cmd[1:4] == ["-P", "-m", "rlctl.inference.vllm_main"]  # vLLM's own server, adapter swaps read once
     assert flag(cmd, "--quantization") == "fp8"
     assert "--enable-expert-parallel" in cmd
     assert flag(cmd, "--all2all-backend") == "deepep_low_latency"
