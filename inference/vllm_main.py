@@ -4,15 +4,17 @@ A LoRA run swaps its adapter with `/v1/load_lora_adapter` and `load_inplace` (lo
 keeps that request, flag included, as the adapter's cached `LoRARequest`, and every completion request
 names it; its workers reload an adapter whose request says `load_inplace` at *every engine step* that
 schedules such a request (`LRUCacheWorkerLoRAManager.add_adapter`). So after the first swap vLLM read
-the adapter's files again per step (the full adapter, for every decoded token of the batch), a step
+the adapter's files again per step (the full adapter, for every decoded token of the batch); a step
 whose batch still held a request from before the last swap could reload the *older* adapter for the
-whole batch (the step keeps one request object per adapter name), and an adapter directory removed after the swap (retention)
-killed the engine core at the next request (measured: HTTP 500, "EngineCore encountered an issue").
+whole batch (the step keeps one request object per adapter name); and an adapter directory removed
+after the swap (retention) killed the engine core at the next request (HTTP 500, "EngineCore
+encountered an issue").
 
 The fix: once the in-place load has succeeded, the cached request drops the flag, so later requests
 find the adapter by its id and use what the swap loaded. Nothing awaits between vLLM caching the
 request and this, so no request is created with the flag set. A vLLM without that method (another
-version) starts unchanged, with a log line saying so.
+version) starts unchanged, with a log line saying so. The patch lives in this process: rlctl starts one
+API server per vLLM server (no `--api-server-count`).
 """
 from __future__ import annotations
 

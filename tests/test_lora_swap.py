@@ -46,7 +46,8 @@ def test_a_swapped_adapter_is_served_without_its_files(tmp_path):
     run = make_run(tmp_path / "run", *LORA)
 
     async def check(url: str) -> None:
-        adapters = [random_adapter(run, tmp_path / f"adapter_{i}", seed=i) for i in (1, 2)]  # the server built the model
+        # written once the server has built the run's model
+        adapters = [random_adapter(run, tmp_path / f"adapter_{i}", seed=i) for i in (1, 2)]
         async with InferenceClient(url, run.admin_token()) as client:
             base = await greedy_logprobs(client)  # the zero adapter the server starts with
             await client.swap_adapter(str(adapters[0]))
