@@ -204,6 +204,8 @@ def render_server_command(
         cmd += lora_server_args(recipe.trainer.lora, SERVED_MODEL_NAME, initial_adapter, inf.max_loras)
     if inf.enforce_eager:
         cmd.append("--enforce-eager")
+    if not inf.engine_stats:
+        cmd.append("--disable-log-stats")
     if recipe.trainer.router_replay:  # the experts each token was routed to come back with the completion
         cmd.append("--enable-return-routed-experts")
     if target == "cpu":

@@ -43,7 +43,8 @@ PROMPT = [1] + list(range(4, 40))  # <bos> then 36 characters of the tiny vocabu
 def make_run(root: Path, *overrides: str) -> RunDir:
     run = RunDir(root)
     run.create()
-    recipe = load_recipe(["tiny-cpu"], ["trainer.dtype=float32", *overrides])
+    # engine stats on: the tests read vLLM's preemption counter from /metrics
+    recipe = load_recipe(["tiny-cpu"], ["trainer.dtype=float32", "inference.engine_stats=true", *overrides])
     atomic_write_json(run.recipe_json, recipe.model_dump(mode="json"))
     run.admin_token(create=True)
     run.api_key(create=True)

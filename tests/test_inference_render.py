@@ -54,6 +54,11 @@ def test_enforce_eager_follows_recipe():
     assert "--enforce-eager" not in render(recipe("inference.enforce_eager=false"), CPU, "cpu")
 
 
+def test_engine_stats_follow_recipe():
+    assert "--disable-log-stats" in render(recipe(), CPU, "cpu")  # the tiny recipe turns them off
+    assert "--disable-log-stats" not in render(recipe("inference.engine_stats=true"), CPU, "cpu")
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
