@@ -22,6 +22,12 @@ RECEIVE_METHOD = "rlctl_receive"  # the same for the broadcast transport (weight
 STAGE_METHOD = "rlctl_stage"  # read a step into the workers' host RAM ahead of a pool's switch (host_cache.py)
 
 
+# What a completion request asks for to get each sampled token's id and logprob: the ids stand in for
+# the token strings, and the xarg spares the server decoding those strings at all (vllm_main.py).
+TOKEN_ID_LOGPROBS_XARG = "rlctl_token_id_logprobs"
+SAMPLED_LOGPROBS = {"logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "vllm_xargs": {TOKEN_ID_LOGPROBS_XARG: 1}}
+
 KEEPALIVE_S = 2.0  # below any server's keep-alive timeout (uvicorn's default is 5 s; ours, server.SERVER_KEEPALIVE_S)
 
 
@@ -231,7 +237,7 @@ class InferenceClient:
                          extra) -> dict:
         body = {
             "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "n": n, "logprobs": 0, "return_token_ids": True,
+            "top_p": top_p, "n": n, **SAMPLED_LOGPROBS,
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from rlctl.inference.vllm_main import load_adapters_in_place_once, run_openai_server
+from rlctl.inference.vllm_main import load_adapters_in_place_once, logprobs_without_token_strings, run_openai_server
 
 log = logging.getLogger("rlctl.inference.vllm_cpu_main")
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
@@ -54,6 +54,7 @@ def main() -> None:
 
         accept_v1_cpu_runner()
     load_adapters_in_place_once()
+    logprobs_without_token_strings()
     run_openai_server()
 
 

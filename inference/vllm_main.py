@@ -15,12 +15,22 @@ find the adapter by its id and use what the swap loaded. Nothing awaits between 
 request and this, so no request is created with the flag set. A vLLM without that method (another
 version) starts unchanged, with a log line saying so. The patch lives in this process: rlctl starts one
 API server per vLLM server (no `--api-server-count`).
+
+Logprobs without token strings: for every sampled token whose logprob a request asks for, vLLM's output
+processor decodes the token's string (and re-decodes its context when the string ends in a partial
+character), whether or not the response will carry it. rlctl's clients read token ids and logprob
+values only and ask for ids in place of strings (`return_tokens_as_token_ids`); a request that also
+names `TOKEN_ID_LOGPROBS_XARG` in its `vllm_xargs` has its logprobs kept without decoding (its text is
+still detokenised). On the generation-heavy peer batch (16 x 16 completions of 32 tokens) that is 0.43
+-> 0.34 API-server CPU-s per batch. Other requests are served exactly as by vLLM.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import runpy
+
+from rlctl.inference.client import TOKEN_ID_LOGPROBS_XARG
 
 log = logging.getLogger("rlctl.inference.vllm_main")
 
@@ -49,12 +59,34 @@ def load_adapters_in_place_once() -> bool:
     return True
 
 
+def logprobs_without_token_strings() -> bool:
+    """Skip decoding logprob token strings for requests that name `TOKEN_ID_LOGPROBS_XARG`; False when
+    this vLLM has no such hook."""
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+
+        new_request = LogprobsProcessor.from_new_request.__func__
+    except (ImportError, AttributeError) as exc:
+        log.warning("logprob token strings are decoded as vLLM does (no LogprobsProcessor.from_new_request: %s)", exc)
+        return False
+
+    def from_new_request(cls, tokenizer, request):
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        if extra and extra.get(TOKEN_ID_LOGPROBS_XARG):
+            tokenizer = None  # the processor then keeps logprobs without their strings
+        return new_request(cls, tokenizer, request)
+
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
+    return True
+
+
 def run_openai_server() -> None:
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 
 def main() -> None:
     load_adapters_in_place_once()
+    logprobs_without_token_strings()
     run_openai_server()
 
 

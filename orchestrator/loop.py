@@ -44,7 +44,7 @@ from rlctl.orchestrator.environments import Environment, MultiTurnEnvironment, P
 from rlctl.orchestrator.trajectory import Budget, SharedTurns, TokenClient
 from rlctl.orchestrator.completion_stream import raise_for_status, streamed_choices
 from rlctl.orchestrator.rewards import RewardScorer
-from rlctl.inference.client import decode_routed_experts, policy_cache_salt, routed_experts_payload
+from rlctl.inference.client import SAMPLED_LOGPROBS, decode_routed_experts, policy_cache_salt, routed_experts_payload
 from rlctl.inference.server import SERVED_MODEL_NAME
 from rlctl.orchestrator.exchange.batches import BatchWriter
 
@@ -237,7 +237,7 @@ class RolloutLoop:
         rollouts = [Rollout(group_id, i, start_version=version) for i in range(G)]
         body = {
             "model": SERVED_MODEL_NAME, "prompt": prompt.text, "n": G, "max_tokens": self.s.max_tokens,
-            "temperature": self.s.temperature, "top_p": 1.0, "logprobs": 0, "return_token_ids": True,
+            "temperature": self.s.temperature, "top_p": 1.0, **SAMPLED_LOGPROBS,
             "stream": True, "cache_salt": policy_cache_salt(version), "stream_interval": self.s.stream_interval,
         }
         seen_before = [version] * G  # per choice: the version when its previous chunk arrived
@@ -285,7 +285,7 @@ class RolloutLoop:
         version = self.policy.version
         body = {
             "model": SERVED_MODEL_NAME, "prompt": prompt.text, "n": self.s.group_size, "max_tokens": self.s.max_tokens,
-            "temperature": self.s.temperature, "top_p": 1.0, "logprobs": 0, "return_token_ids": True,
+            "temperature": self.s.temperature, "top_p": 1.0, **SAMPLED_LOGPROBS,
             "cache_salt": policy_cache_salt(version), "routed_experts_prompt_start": 0,
         }
         async with self._post_completions(session, body, group_id) as resp:

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlctl.inference.client import SAMPLED_LOGPROBS
 from rlctl.orchestrator.completion_stream import raise_for_status, streamed_choices
 
 ENV_VERSION = -1  # the policy version recorded for environment tokens (no policy produced them)
@@ -169,7 +170,7 @@ class TokenClient:
         first = not traj.prompt_ids
         body = {"model": self.model, "prompt": traj.prompt_text if first else traj.context_ids(),
                 "max_tokens": traj.next_turn_tokens(), "temperature": self.temperature, "top_p": 1.0,
-                "logprobs": 0, "return_token_ids": True, "stream": True,
+                **SAMPLED_LOGPROBS, "stream": True,
                 "cache_salt": self.cache_salt(self.policy.version)}
         if stop:
             body["stop"] = stop

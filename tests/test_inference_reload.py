@@ -236,6 +236,9 @@ def test_completions_through_router(server, tmp_path):
                                           extra={"ignore_eos": True})
                 with pytest.raises(InferenceError, match="401"):
                     await bad.complete("abc", max_tokens=2)
+                # the router forwards `vllm_xargs` (the token-id logprobs xarg rides on it): vLLM refuses this one
+                with pytest.raises(InferenceError, match="400"):
+                    await via.complete("abc", max_tokens=1, extra={"vllm_xargs": {"nested": {"not": "allowed"}}})
                 streamed = {0: ([], []), 1: ([], [])}
                 async for index, ids, logprobs, _ in via.stream("abc", max_tokens=12, n=2, extra={"ignore_eos": True}):
                     streamed[index][0].extend(ids)
@@ -243,7 +246,11 @@ def test_completions_through_router(server, tmp_path):
                 assert all(len(ids) == len(lps) == 12 for ids, lps in streamed.values())
                 return resp
 
-        samples = parse_samples(asyncio.run(go()))
+        resp = asyncio.run(go())
+        # token ids stand in for the logprobs' token strings; the text is still detokenised
+        assert all(t.startswith("token_id:") for c in resp["choices"] for t in c["logprobs"]["tokens"])
+        assert any(c["text"] for c in resp["choices"])
+        samples = parse_samples(resp)
         assert len(samples) == 4
         for s in samples:
             assert len(s.token_ids) == len(s.logprobs) == 6 and all(lp <= 0.0 for lp in s.logprobs)

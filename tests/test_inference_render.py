@@ -233,3 +233,27 @@ def test_the_cpu_entry_keeps_fork_unless_the_user_chose(monkeypatch):
     CpuPlatform.check_and_update_config("config")
     assert calls == ["config"] and os.environ[vllm_cpu_main.START_METHOD] == "fork"
     monkeypatch.delenv(vllm_cpu_main.START_METHOD)
+
+
+def test_logprobs_of_requests_naming_the_xarg_are_kept_without_token_strings(monkeypatch):
+    """The entry's hook hands the logprobs processor no tokenizer (no token-string decode) for a request
+    whose `vllm_xargs` name TOKEN_ID_LOGPROBS_XARG, as rlctl's clients send; other requests keep it."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    from rlctl.inference.client import SAMPLED_LOGPROBS, TOKEN_ID_LOGPROBS_XARG
+    from rlctl.inference.vllm_main import logprobs_without_token_strings
+
+    monkeypatch.setattr(LogprobsProcessor, "from_new_request", LogprobsProcessor.__dict__["from_new_request"])
+    assert logprobs_without_token_strings()
+    tokenizer = object()
+
+    def processor(xargs):
+        request = SimpleNamespace(sampling_params=SamplingParams(logprobs=0, extra_args=xargs))
+        return LogprobsProcessor.from_new_request(tokenizer=tokenizer, request=request)
+
+    assert processor(dict(SAMPLED_LOGPROBS["vllm_xargs"])).tokenizer is None
+    assert processor(None).tokenizer is tokenizer and processor({"other": 1}).tokenizer is tokenizer
+    assert SAMPLED_LOGPROBS["return_tokens_as_token_ids"] and TOKEN_ID_LOGPROBS_XARG in SAMPLED_LOGPROBS["vllm_xargs"]
