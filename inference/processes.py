@@ -159,6 +159,15 @@ def _signal_all(found: dict[int, list[int]], sig: int) -> None:
             _send(pid, leader, sig)
 
 
+def ask_process_groups_to_stop(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGTERM to each running child in `procs` and its process group (its session when it leads one),
+    without waiting: they wind down by themselves (a trainer saves a checkpoint first);
+    `stop_process_groups` later ends whatever is left."""
+    running = [p.pid for p in procs if _wait_state(p)[0] == "running"]
+    if running:
+        _signal_all(members(running), signal.SIGTERM)
+
+
 def stop_process_groups(procs: Iterable[subprocess.Popen], timeout_s: float) -> list[int]:
     """Stop each child in `procs` together with its process group (its whole session when it leads
     one): SIGTERM to all of them while the child runs, SIGKILL to everything left after `timeout_s`

@@ -81,7 +81,7 @@ class DeploymentConfig(StrictModel):
     time_limit: str = "24:00:00"
     """Slurm time limit of the job (HH:MM:SS or D-HH:MM:SS)."""
     grace_period_s: Count = 120
-    """After a component fails, seconds the others get to finish (e.g. a checkpoint) before being stopped."""
+    """After a component fails the others are asked to stop (SIGTERM: the trainer saves a checkpoint first); seconds they get before being killed. Also how long the others get to exit after the orchestrator finishes."""
     max_restarts: Count = 3
     """Automatic requeues after preemption, timeout or node failure (Slurm); each resumes from the newest complete checkpoint."""
     preempt_signal_s: Count = 300

@@ -178,7 +178,11 @@ while :; do
     wait "${pids[$i]}"; rc=$?; ended[$i]=$rc
     log "group ${names[$i]} step exited with code $rc"
     (( rc != 0 && rc_final == 0 && stopping == 0 )) && rc_final=$rc
-    if (( deadline == 0 )) && { (( rc != 0 )) || [[ ${names[$i]} == orchestrator ]]; }; then
+    if (( deadline == 0 && rc != 0 )); then  # told at once, the others wind down (the trainer checkpoints)
+      deadline=$((SECONDS + GRACE))
+      log "asking the other groups to stop (TERM); what is left in ${GRACE}s is terminated"
+      for j in "${!pids[@]}"; do [[ -z ${ended[$j]:-} ]] && kill -TERM "${pids[$j]}" 2>/dev/null; done
+    elif (( deadline == 0 )) && [[ ${names[$i]} == orchestrator ]]; then  # the others exit on DONE
       deadline=$((SECONDS + GRACE))
       log "stopping the other groups within ${GRACE}s"
     fi

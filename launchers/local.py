@@ -4,8 +4,9 @@
 its own session and returns at once. The supervisor starts each task in its own process group (so a
 component's children — e.g. the router under the orchestrator — are stopped with it), keeps
 `status/<group>.<group>.<rank>.json` and `status/supervisor.json` up to date, and applies the same
-teardown as the Slurm job: a failed task or a finished orchestrator gives the others
-`deployment.grace_period_s`, then everything left is terminated (TERM, then KILL). SIGTERM to the
+teardown as the Slurm job: a failed task has the others asked to stop at once (SIGTERM: the trainer
+saves a checkpoint, the rest exit) and a finished orchestrator lets them exit on `DONE`; either way
+whatever is left after `deployment.grace_period_s` is terminated (TERM, then KILL). SIGTERM to the
 supervisor (`rlctl cancel`) stops everything; no process outlives it. Tasks run in sessions of their
 own, so a task's servers and their children are stopped with it, even when the task died first
 (rlctl.inference.processes). Everything runs in the run dir, with nothing importable from the current
@@ -23,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlctl.inference.processes import (PRIVATE_UMASK, exit_status, private_umask, python_module_argv,
-                                       stop_process_groups)
+from rlctl.inference.processes import (PRIVATE_UMASK, ask_process_groups_to_stop, exit_status, private_umask,
+                                       python_module_argv, stop_process_groups)
 from rlctl.inference.server import free_port
 from rlctl.launchers.env import component_command, component_env, component_popen_options
 from rlctl.launchers.groups import JobGroup
@@ -181,7 +182,13 @@ class Supervisor:
                 self.log(f"{t.group.name} rank {t.rank} exited with code {rc}")
                 if rc != 0 and rc_final == 0:
                     rc_final = rc if rc > 0 else 128 - rc
-                if deadline is None and (rc != 0 or t.group.name == "orchestrator"):
+                if deadline is None and rc != 0:
+                    # told at once, the others wind down now (the trainer checkpoints) instead of
+                    # idling through the grace period: it bounds their wind-down, then they are killed
+                    deadline = time.time() + self.grace
+                    self.log(f"asking the other tasks to stop (SIGTERM); what is left in {self.grace:g}s is terminated")
+                    ask_process_groups_to_stop([o.proc for o in self.tasks if o.running()])
+                elif deadline is None and t.group.name == "orchestrator":  # the others exit on DONE
                     deadline = time.time() + self.grace
                     self.log(f"stopping the other tasks within {self.grace:g}s")
             if running == 0:

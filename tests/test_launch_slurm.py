@@ -131,8 +131,8 @@ def test_smoke_launch_wait_runs_one_het_job_with_the_contract(vslurm, tmp_path, 
     assert sorted(r["rank"] for r in results) == list(range(16)) and {r["returncode"] for r in results} == {0}
 
 
-def test_killing_one_group_ends_the_whole_job_within_the_grace_period(vslurm, tmp_path, slurm_jobs):
-    grace = 4
+def test_killing_one_group_ends_the_whole_job_at_once(vslurm, tmp_path, slurm_jobs):
+    grace = 120  # the other groups are told at once (TERM), not left idling through the grace period
     info, took = launch_json(tmp_path, slurm_jobs, "-o", "deployment.smoke.run_s=600", "-o", f"deployment.grace_period_s={grace}")
     job, run = info["job_id"], Path(info["run_dir"])
     # launch must not block on the job (it holds for 600 s); the 2 s target is measured in bench/
@@ -141,14 +141,15 @@ def test_killing_one_group_ends_the_whole_job_within_the_grace_period(vslurm, tm
     victim = json.loads((run / "smoke" / "trainer.11.json").read_text())["pid"]
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    states = wait_for(lambda: (s := component_states(job)) and job_finished(s) and s, grace + 40, "the job to end",
+    states = wait_for(lambda: (s := component_states(job)) and job_finished(s) and s, 90, "the job to end",
                       poll=0.5)
     elapsed = time.monotonic() - t0
-    assert elapsed < grace + 30, elapsed
+    assert elapsed < 60, elapsed
     assert any(v["state"] != "COMPLETED" for v in states.values())
     assert subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == ""
     batch_log = next((run / "logs" / "latest").glob("slurm-*.out")).read_text()
-    assert "group trainer step exited with code" in batch_log and "grace period over" in batch_log
+    assert "group trainer step exited with code" in batch_log and "asking the other groups to stop" in batch_log
+    assert "grace period over" not in batch_log
     wait_for(lambda: not processes_of(run), 30, "every process of the run to exit")
 
 
