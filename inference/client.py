@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from rlctl.inference.server import SERVED_MODEL_NAME
+from rlctl.inference.vllm_main import TOKEN_ID_LOGPROBS_XARG
 
 RELOAD_METHOD = "rlctl_reload"  # ReloadExtension method run on every worker via /collective_rpc
 RECEIVE_METHOD = "rlctl_receive"  # the same for the broadcast transport (weights_receiver.py)
@@ -24,7 +25,6 @@ STAGE_METHOD = "rlctl_stage"  # read a step into the workers' host RAM ahead of 
 
 # What a completion request asks for to get each sampled token's id and logprob: the ids stand in for
 # the token strings, and the xarg spares the server decoding those strings at all (vllm_main.py).
-TOKEN_ID_LOGPROBS_XARG = "rlctl_token_id_logprobs"
 SAMPLED_LOGPROBS = {"logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
                     "vllm_xargs": {TOKEN_ID_LOGPROBS_XARG: 1}}
 

@@ -30,9 +30,10 @@ import functools
 import logging
 import runpy
 
-from rlctl.inference.client import TOKEN_ID_LOGPROBS_XARG
-
 log = logging.getLogger("rlctl.inference.vllm_main")
+# Named in a request's `vllm_xargs` (rlctl.inference.client.SAMPLED_LOGPROBS): keep its logprobs without
+# their token strings. Defined here, not in client.py, so the API server does not import httpx for it.
+TOKEN_ID_LOGPROBS_XARG = "rlctl_token_id_logprobs"
 
 
 def load_adapters_in_place_once() -> bool:

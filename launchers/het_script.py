@@ -71,10 +71,14 @@ def srun_line(group: JobGroup, folder: Path, python: str, het: bool = True) -> s
 SUPERVISOR = r"""
 log() { echo "[rlctl $(date +%H:%M:%S)] $*"; }
 rc_final=0; deadline=0; stopping=0; preempting=0; requeueing=0; sleeper=""; term_cause=""; declare -A ended=()
+term_running() {  # TERM every step still running, without waiting
+  local i
+  for i in "${!pids[@]}"; do [[ -z ${ended[$i]:-} ]] && kill -TERM "${pids[$i]}" 2>/dev/null; done
+}
 stop_running() {
   stopping=1
   local i
-  for i in "${!pids[@]}"; do [[ -z ${ended[$i]:-} ]] && kill -TERM "${pids[$i]}" 2>/dev/null; done
+  term_running
   for _ in $(seq 15); do
     local alive=0
     for i in "${!pids[@]}"; do kill -0 "${pids[$i]}" 2>/dev/null && alive=1; done
@@ -178,13 +182,14 @@ while :; do
     wait "${pids[$i]}"; rc=$?; ended[$i]=$rc
     log "group ${names[$i]} step exited with code $rc"
     (( rc != 0 && rc_final == 0 && stopping == 0 )) && rc_final=$rc
-    if (( deadline == 0 && rc != 0 )); then  # told at once, the others wind down (the trainer checkpoints)
+    if (( deadline == 0 )) && { (( rc != 0 )) || [[ ${names[$i]} == orchestrator ]]; }; then
       deadline=$((SECONDS + GRACE))
-      log "asking the other groups to stop (TERM); what is left in ${GRACE}s is terminated"
-      for j in "${!pids[@]}"; do [[ -z ${ended[$j]:-} ]] && kill -TERM "${pids[$j]}" 2>/dev/null; done
-    elif (( deadline == 0 )) && [[ ${names[$i]} == orchestrator ]]; then  # the others exit on DONE
-      deadline=$((SECONDS + GRACE))
-      log "stopping the other groups within ${GRACE}s"
+      if (( rc != 0 )); then  # told at once, the others wind down (the trainer checkpoints)
+        log "asking the other groups to stop (TERM); what is left in ${GRACE}s is terminated"
+        term_running
+      else  # the others exit on DONE
+        log "stopping the other groups within ${GRACE}s"
+      fi
     fi
   done
   (( running == 0 )) && break

@@ -182,15 +182,15 @@ class Supervisor:
                 self.log(f"{t.group.name} rank {t.rank} exited with code {rc}")
                 if rc != 0 and rc_final == 0:
                     rc_final = rc if rc > 0 else 128 - rc
-                if deadline is None and rc != 0:
-                    # told at once, the others wind down now (the trainer checkpoints) instead of
-                    # idling through the grace period: it bounds their wind-down, then they are killed
+                if deadline is None and (rc != 0 or t.group.name == "orchestrator"):
                     deadline = time.time() + self.grace
-                    self.log(f"asking the other tasks to stop (SIGTERM); what is left in {self.grace:g}s is terminated")
-                    ask_process_groups_to_stop([o.proc for o in self.tasks if o.running()])
-                elif deadline is None and t.group.name == "orchestrator":  # the others exit on DONE
-                    deadline = time.time() + self.grace
-                    self.log(f"stopping the other tasks within {self.grace:g}s")
+                    if rc != 0:
+                        # told at once, the others wind down now (the trainer checkpoints) instead of
+                        # idling through the grace period: it bounds their wind-down, then they are killed
+                        self.log(f"asking the other tasks to stop (SIGTERM); what is left in {self.grace:g}s is terminated")
+                        ask_process_groups_to_stop([o.proc for o in self.tasks])  # only the running ones are signalled
+                    else:  # the others exit on DONE
+                        self.log(f"stopping the other tasks within {self.grace:g}s")
             if running == 0:
                 break
             if deadline is not None and time.time() >= deadline:

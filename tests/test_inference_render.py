@@ -243,8 +243,8 @@ def test_logprobs_of_requests_naming_the_xarg_are_kept_without_token_strings(mon
     from vllm import SamplingParams
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
-    from rlctl.inference.client import SAMPLED_LOGPROBS, TOKEN_ID_LOGPROBS_XARG
-    from rlctl.inference.vllm_main import logprobs_without_token_strings
+    from rlctl.inference.client import SAMPLED_LOGPROBS
+    from rlctl.inference.vllm_main import TOKEN_ID_LOGPROBS_XARG, logprobs_without_token_strings
 
     monkeypatch.setattr(LogprobsProcessor, "from_new_request", LogprobsProcessor.__dict__["from_new_request"])
     assert logprobs_without_token_strings()
