@@ -268,6 +268,12 @@ def report(name: str, variant: Variant, rows: dict) -> None:
         goal = variant.tokens_per_s_goal
         print(f"rollout tokens/s rlctl/TRL: {ratio:.2f}x" + (f" (goal >= {goal}x: {'ok' if ratio >= goal else 'MISSED'})"
                                                              if goal else ""))
+        if alone and alone["batch_s"]:
+            # What vLLM itself allows: its offline speed on this batch (one process, no server, no trainer beside
+            # it) against TRL's loop. rlctl, which generates with vLLM, cannot beat this ceiling.
+            ceiling = alone["batch_tokens"] / alone["batch_s"] / trl["rollout_tokens_per_s"]
+            print(f"ceiling set by vLLM alone (its offline tokens/s / TRL's loop tokens/s): {ceiling:.2f}x; "
+                  f"rlctl reaches {ratio / ceiling:.0%} of it")
         if rl["wall_to_target_s"] and trl["wall_to_target_s"]:
             print(f"wall to reward {TARGET} rlctl/TRL: {rl['wall_to_target_s'] / trl['wall_to_target_s']:.2f}x")
     if rl and alone and rl["step_interval_s"]:
