@@ -1,7 +1,7 @@
 """Trainer step of the tiny recipe vs a plain single-process torch step of the same model and batch
 (goal: ≤ 1.5×), median of steps after a warm-up.
 
-    .venv/bin/python bench/bench_trainer_step.py [--steps 10] [--warmup 3]
+    .venv/bin/python bench/bench_trainer_step.py [--steps 10] [--warmup 3] [-o key.path=value ...]
 
 rlctl = `rlctl.trainer.step.train_step` on the StepContext that `Trainer` builds (mesh, FSDP2 model,
         AdamW, scheduler, loss) with the recipe's fsdp = 2: two spawned ranks on gloo with the
@@ -118,16 +118,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("-o", "--override", action="append", default=[],
+                        help="recipe override, as for rlctl launch (e.g. orchestrator.rollouts_per_step=256)")
     args = parser.parse_args(argv)
 
+    import random
+
+    from rlctl.orchestrator.environments import load_environment
     from rlctl.recipes.load import load_recipe
 
-    recipe = load_recipe([str(RECIPE)], [])
+    recipe = load_recipe([str(RECIPE)], args.override)
     orch, cfg = recipe.orchestrator, recipe.trainer
     world = cfg.fsdp  # the tiny recipe's trainer: fsdp ranks on one node, nothing else
-    prompt_tokens = 1 + orch.environment.args["prompt_len"]  # <bos> + the prompt's characters
+    prompt = load_environment(orch.environment.name, orch.environment.args).sample_prompts(random.Random(0), 1)[0]
+    prompt_tokens = 1 + len(prompt.text)  # <bos> + the prompt's characters (the tiny model's vocabulary)
     with tempfile.TemporaryDirectory(prefix="bench-trainer-step-", dir=".") as tmp:
-        run = make_run(Path(tmp) / "run")  # the recipe.json and the built tiny model, as a launch writes them
+        run = make_run(Path(tmp) / "run", args.override)  # the recipe.json and the built tiny model, as a launch writes them
         batch = synthetic_batch(run.model, rows=orch.rollouts_per_step, prompt_len=prompt_tokens,
                                 completion_len=orch.max_tokens)
         write_batches(run, batch, [0])
