@@ -43,6 +43,11 @@ def metrics(run: Path) -> tuple[list[dict], list[dict]]:
     return by("trainer"), by("orchestrator")
 
 
+def best_window_mean(rewards: list[float], window: int = 5) -> float:
+    """The best mean reward over `window` consecutive steps: what a run reached, whatever it did after."""
+    return max(sum(rewards[i:i + window]) / window for i in range(len(rewards) - window + 1))
+
+
 def learning_report(trainer: list[dict], orch: list[dict]) -> str:
     """A run's learning curve and what tells a slow curve from an unstable one (policy lag, trainer/
     inference mismatch, masked tokens, gradient norms), for the message of a failed reward check."""

@@ -7,8 +7,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from e2e_checks import (TINY, assert_contract_keys, launch_waiting, learning_report, leftover_processes, metrics,
-                        monitor_json)
+from e2e_checks import (TINY, assert_contract_keys, best_window_mean, launch_waiting, learning_report,
+                        leftover_processes, metrics, monitor_json)
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 80
@@ -31,8 +31,7 @@ def test_learns_like_the_filesystem_transport(broadcast_run):
     # the transport's check is that the run learns: its 5-step mean reaches 0.8 (of four runs of the final
     # code one then wandered to a last-5 mean of 0.79, the low tail of this recipe's spread; the served
     # weights' equality with the trainer's is test_weights_broadcast's)
-    best = max(sum(rewards[i:i + 5]) / 5 for i in range(len(rewards) - 4))
-    assert best >= 0.8, f"reward never reached >= 0.8:\n{learning_report(trainer, orch)}"
+    assert best_window_mean(rewards) >= 0.8, f"reward never reached >= 0.8:\n{learning_report(trainer, orch)}"
     assert monitor_json(run)["state"] == "completed"
     publish = sorted(r["weight_publish_s"] for r in trainer)
     reload = sorted(r["weight_reload_s"] for r in orch if r["weight_reload_s"])
