@@ -1,17 +1,17 @@
-"""Trainer step of the tiny recipe vs a plain single-process torch step of the same model and batch
-(goal: ≤ 1.5×), median of steps after a warm-up.
+"""Trainer step of the tiny recipe (or a variant of it, `-o key.path=value` as for `rlctl launch`) vs a
+plain single-process torch step of the same model and batch (goal: ≤ 1.5×), median of steps after a warm-up.
 
     .venv/bin/python bench/bench_trainer_step.py [--steps 10] [--warmup 3] [-o key.path=value ...]
 
 rlctl = `rlctl.trainer.step.train_step` on the StepContext that `Trainer` builds (mesh, FSDP2 model,
-        AdamW, scheduler, loss) with the recipe's fsdp = 2: two spawned ranks on gloo with the
+        AdamW, scheduler, loss) with the recipe's fsdp ranks (2 in the tiny recipe), spawned, on gloo with the
         launcher's environment, so `parallel.init_distributed` sets the threads per rank as in a run
         (cpu_count // LOCAL_WORLD_SIZE unless OMP_NUM_THREADS is set). Every rank reads the batch from
         the run directory like the trainer does; rank 0 times each step between two barriers.
 torch = one process with every core: the HF model from the same directory in the recipe's dtype, the
         whole batch in one forward, the same loss (`trainer.loss.path`), clipping and AdamW (recipe lr).
-batch = rollouts_per_step rows of <bos> + the environment's prompt_len + max_tokens tokens (the tests'
-        `synthetic_batch`: random tokens, inference logprobs of the initial model).
+batch = rollouts_per_step rows of <bos> + one sampled prompt of the environment + max_tokens tokens (the
+        tests' `synthetic_batch`: random tokens, inference logprobs of the initial model).
 Prints both medians and the ratio; exit 1 when the ratio is above 1.5.
 """
 from __future__ import annotations
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     prompt = load_environment(orch.environment.name, orch.environment.args).sample_prompts(random.Random(0), 1)[0]
     prompt_tokens = 1 + len(prompt.text)  # <bos> + the prompt's characters (the tiny model's vocabulary)
     with tempfile.TemporaryDirectory(prefix="bench-trainer-step-", dir=".") as tmp:
-        run = make_run(Path(tmp) / "run", args.override)  # the recipe.json and the built tiny model, as a launch writes them
+        # the recipe.json and the built tiny model, as a launch writes them
+        run = make_run(Path(tmp) / "run", args.override)
         batch = synthetic_batch(run.model, rows=orch.rollouts_per_step, prompt_len=prompt_tokens,
                                 completion_len=orch.max_tokens)
         write_batches(run, batch, [0])
