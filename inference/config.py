@@ -62,6 +62,11 @@ class InferenceConfig(StrictModel):
     """vLLM's engine statistics: the `vllm:` Prometheus series on each server's `/metrics` and its
     periodic throughput log line. Off (`--disable-log-stats`) spares the API server their per-token
     bookkeeping: on 2 CPU cores ≈ 15% of its CPU in a generation-heavy batch."""
+    max_num_seqs: Literal["auto"] | Annotated[int, Field(ge=1, le=65536)] = "auto"
+    """Sequences one server (DP rank) decodes at once (vLLM's `--max-num-seqs`); the rest of the
+    orchestrator's `max_in_flight` wait in the server's queue. 'auto': vLLM's default for its API server,
+    1024 on >= 70 GB GPUs, 256 on smaller ones and 128 on CPU, where a 256-rollout batch then decodes in
+    two waves and every decode step's fixed cost is paid twice (the tiny recipe sets 1024)."""
     startup_timeout_s: Seconds = 900.0
     """Seconds a server may take to become healthy before the run fails with its log tail."""
     max_loras: Annotated[int, Field(ge=1, le=256)] = 1
@@ -75,6 +80,10 @@ class InferenceConfig(StrictModel):
     """Prefill/decode disaggregation."""
     kv_offload: KVOffloadConfig = KVOffloadConfig()
     """KV-cache offload tier."""
+
+    def engine_max_num_seqs(self, vllm_default: int) -> int:
+        """`max_num_seqs`, with 'auto' resolved to vLLM's default where the server runs."""
+        return vllm_default if self.max_num_seqs == "auto" else self.max_num_seqs
 
 
 class RouterConfig(StrictModel):

@@ -206,6 +206,8 @@ def render_server_command(
         cmd.append("--enforce-eager")
     if not inf.engine_stats:
         cmd.append("--disable-log-stats")
+    if inf.max_num_seqs != "auto":
+        cmd += ["--max-num-seqs", str(inf.max_num_seqs)]
     if recipe.trainer.router_replay:  # the experts each token was routed to come back with the completion
         cmd.append("--enable-return-routed-experts")
     if target == "cpu":

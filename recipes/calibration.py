@@ -116,7 +116,10 @@ VLLM_NON_TORCH_GIB = 0.5
 """Memory vLLM counts outside PyTorch's allocator (NCCL, cuBLAS workspaces) plus CUDA graphs: vLLM
 logs `non_torch_memory takes 0.1–0.4GiB` on one H100, CUDA graphs ≈ 0.1–0.5 GiB."""
 VLLM_MAX_NUM_SEQS = 1024
-"""vLLM's default cap on running sequences per engine (DP rank) on ≥ 70 GB GPUs."""
+"""vLLM's default cap on running sequences per engine (DP rank) on ≥ 70 GB GPUs
+(`inference.max_num_seqs` overrides it)."""
+VLLM_CPU_MAX_NUM_SEQS = 128
+"""vLLM's default cap on running sequences of a CPU API server (`inference.max_num_seqs` overrides it)."""
 KV_BYTES = 2.0
 """KV-cache element size (bf16; vLLM keeps the model dtype unless kv_cache_dtype is set)."""
 LORA_MAX_LORAS = 1

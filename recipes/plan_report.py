@@ -75,7 +75,8 @@ def cpu_rollout_time(spec, recipe, profile, placement, rollouts: int, mean: int,
 
     servers = max(1, placement.inference_servers)
     kv_tokens = recipe.inference.kv_cache_gib_cpu * 2**30 / max(1.0, kv_bytes_per_token_per_gpu(spec, 1))
-    per_server = min(C.VLLM_MAX_NUM_SEQS, int(kv_tokens // max(1, mean)))
+    max_seqs = recipe.inference.engine_max_num_seqs(C.VLLM_CPU_MAX_NUM_SEQS)
+    per_server = min(max_seqs, int(kv_tokens // max(1, mean)))
     concurrency = max(1, min(in_flight, rollouts, servers * per_server))
     batch = concurrency / servers
     waves = math.ceil(rollouts / concurrency)

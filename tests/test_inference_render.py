@@ -59,6 +59,12 @@ def test_engine_stats_follow_recipe():
     assert "--disable-log-stats" not in render(recipe("inference.engine_stats=true"), CPU, "cpu")
 
 
+def test_max_num_seqs_follows_recipe():
+    assert flag(render(recipe(), CPU, "cpu"), "--max-num-seqs") == "1024"  # the tiny recipe: every rollout in flight
+    assert flag(render(recipe("inference.max_num_seqs=64"), GPU, "gpu"), "--max-num-seqs") == "64"
+    assert "--max-num-seqs" not in render(load_recipe(["tiny-moe-cpu"], []), CPU, "cpu")  # vLLM's default
+
+
 @pytest.mark.parametrize(
     "override, key",
     [

@@ -240,3 +240,16 @@ def test_auto_split_on_a_one_node_cluster_is_a_plan_that_says_so():
     rec = load_recipe(["qwen3-4b"], ['deployment.trainer_nodes="auto"', 'deployment.inference_nodes="auto"'])
     j = plan(rec, profile).to_json()
     assert not j["fits"] and any("needs 2 nodes but 'one' has 1" in e for e in j["errors"])
+
+
+def test_max_num_seqs_caps_what_a_server_decodes_at_once():
+    """A GPU server runs at most `inference.max_num_seqs` sequences (vLLM's 1024 by default); a CPU
+    server's default is vLLM's 128, so the tiny recipe's 512 rollouts decode in waves without its 1024."""
+    gpu = plan(load_recipe(["qwen3-4b"])).to_json()["inference"]
+    low = plan(load_recipe(["qwen3-4b"], ["inference.max_num_seqs=16"])).to_json()["inference"]
+    assert low["max_concurrent_rollouts"] < gpu["max_concurrent_rollouts"]
+    assert low["rollout_step_time_s"] > gpu["rollout_step_time_s"]
+    tiny = plan(load_recipe(["tiny-cpu"])).to_json()["inference"]
+    default = plan(load_recipe(["tiny-cpu"], ["inference.max_num_seqs='auto'"])).to_json()["inference"]
+    assert default["max_concurrent_rollouts"] == 128 < tiny["max_concurrent_rollouts"]
+    assert default["rollout_step_time_s"] > tiny["rollout_step_time_s"]
