@@ -71,26 +71,32 @@ def kv_bytes_per_token_per_gpu(spec, tp: int) -> float:
     return full / min(tp, spec.num_key_value_heads)
 
 
-def activation_reserve_bytes(spec, tp: int, lora_bytes: float = 0.0, max_num_seqs: int | None = None) -> float:
+def gpu_max_num_seqs(inf) -> int:
+    """Sequences one GPU engine (DP rank) runs at once: the recipe's, else vLLM's default."""
+    return inf.engine_max_num_seqs(C.VLLM_MAX_NUM_SEQS)
+
+
+def activation_reserve_bytes(spec, tp: int, max_num_seqs: int, lora_bytes: float = 0.0) -> float:
     """What vLLM keeps outside the KV cache besides the weights: the activation peak of its profiling
     forward pass (VLLM_MAX_NUM_BATCHED_TOKENS tokens through the widest layer, split over tp), the
-    sampler's fp32 logits for max_num_seqs (default VLLM_MAX_NUM_SEQS) sequences, non-torch memory and
-    CUDA graphs, and the LoRA adapters it holds. Llama-3.1-8B on one H100: ≈ 1.2 GiB + 0.5 GiB, as vLLM logs it."""
+    sampler's fp32 logits for max_num_seqs sequences, non-torch memory and CUDA graphs, and the LoRA
+    adapters it holds. Llama-3.1-8B on one H100: ≈ 1.2 GiB + 0.5 GiB, as vLLM logs it."""
     tokens = C.VLLM_MAX_NUM_BATCHED_TOKENS
     inter = spec.intermediate_size
     if spec.is_moe:
         inter = max(inter if spec.dense_layers else 0, spec.num_experts_per_tok * spec.moe_intermediate_size)
     width = 2 * inter + 4 * spec.hidden_size  # gate/up output + residual, normed input, attention output
     act = tokens * width * 2 / tp
-    sampler = (max_num_seqs or C.VLLM_MAX_NUM_SEQS) * spec.vocab_size * 4 / tp
+    sampler = max_num_seqs * spec.vocab_size * 4 / tp
     return act + sampler + C.VLLM_NON_TORCH_GIB * GIB + lora_bytes
 
 
-def choose_tp(spec, fp8: bool, gpu, util: float, gpus_per_node: int, ep: bool) -> int:
+def choose_tp(spec, inf, gpu, gpus_per_node: int) -> int:
     """Smallest power-of-two TP (≤ a node) whose weights leave at least half the budget for KV cache."""
+    fp8, util, ep = inf.fp8, inf.gpu_memory_utilization, inf.ep
     tp = 1
     while tp < max(1, gpus_per_node):
-        budget = util * gpu.hbm_bytes - activation_reserve_bytes(spec, tp)
+        budget = util * gpu.hbm_bytes - activation_reserve_bytes(spec, tp, gpu_max_num_seqs(inf))
         other, expert = weights_per_gpu(spec, fp8, tp, gpus_per_node if ep else tp)
         if other + expert <= 0.5 * budget and spec.num_attention_heads % tp == 0:
             break
@@ -143,16 +149,11 @@ def prefill_tokens_per_s(spec, gpus: int, gpu, fp8: bool, mean_ctx: float) -> fl
     return gpus / s_per_token
 
 
-def gpu_max_num_seqs(inf) -> int:
-    """Sequences one GPU engine (DP rank) runs at once: the recipe's, else vLLM's default."""
-    return inf.engine_max_num_seqs(C.VLLM_MAX_NUM_SEQS)
-
-
 def _kv_budget(spec, inf, gpu, tp: int, ep_group: int, lora_bytes: float) -> tuple[float, float, float, float]:
     """(KV-cache bytes per GPU, non-expert weight bytes, expert weight bytes, activation reserve) of one
     replica's GPU: gpu_memory_utilization × the device total, less weights, the reserve and adapters."""
     w_other, w_expert = weights_per_gpu(spec, inf.fp8, tp, ep_group)
-    reserve = activation_reserve_bytes(spec, tp, lora_bytes, gpu_max_num_seqs(inf))
+    reserve = activation_reserve_bytes(spec, tp, gpu_max_num_seqs(inf), lora_bytes)
     budget = inf.gpu_memory_utilization * gpu.hbm_bytes - reserve - w_other - w_expert
     return budget, w_other, w_expert, reserve
 

@@ -60,7 +60,8 @@ def test_engine_stats_follow_recipe():
 
 
 def test_max_num_seqs_follows_recipe():
-    assert flag(render(recipe(), CPU, "cpu"), "--max-num-seqs") == "1024"  # the tiny recipe: every rollout in flight
+    # the tiny recipe: every rollout in flight
+    assert flag(render(recipe(), CPU, "cpu"), "--max-num-seqs") == "1024"
     assert flag(render(recipe("inference.max_num_seqs=64"), GPU, "gpu"), "--max-num-seqs") == "64"
     assert "--max-num-seqs" not in render(load_recipe(["tiny-moe-cpu"], []), CPU, "cpu")  # vLLM's default
 
