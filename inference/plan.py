@@ -91,12 +91,20 @@ def activation_reserve_bytes(spec, tp: int, max_num_seqs: int, lora_bytes: float
     return act + sampler + C.VLLM_NON_TORCH_GIB * GIB + lora_bytes
 
 
-def choose_tp(spec, inf, gpu, gpus_per_node: int) -> int:
-    """Smallest power-of-two TP (≤ a node) whose weights leave at least half the budget for KV cache."""
+def lora_adapter_bytes(lora_params: int, tp: int) -> float:
+    """Bytes of the bf16 LoRA adapters one engine GPU holds (vLLM's max_loras slots, split over tp)."""
+    return C.LORA_MAX_LORAS * lora_params * 2.0 / tp
+
+
+def choose_tp(spec, inf, gpu, gpus_per_node: int, lora_params: int = 0) -> int:
+    """Smallest power-of-two TP (≤ a node) whose weights leave at least half the budget for KV cache,
+    with the same reserve (sequence cap, adapters) that the KV budget of the chosen TP counts."""
     fp8, util, ep = inf.fp8, inf.gpu_memory_utilization, inf.ep
+    max_num_seqs = gpu_max_num_seqs(inf)
     tp = 1
     while tp < max(1, gpus_per_node):
-        budget = util * gpu.hbm_bytes - activation_reserve_bytes(spec, tp, gpu_max_num_seqs(inf))
+        reserve = activation_reserve_bytes(spec, tp, max_num_seqs, lora_adapter_bytes(lora_params, tp))
+        budget = util * gpu.hbm_bytes - reserve
         other, expert = weights_per_gpu(spec, fp8, tp, gpus_per_node if ep else tp)
         if other + expert <= 0.5 * budget and spec.num_attention_heads % tp == 0:
             break
@@ -182,7 +190,7 @@ def plan_inference(spec, inf, *, nodes: int, gpus_per_node: int, gpu, rollouts: 
         replicas = max(1, gpus // replica_gpus)
     moe_ep = bool(inf.ep and spec.is_moe)
     ep_group = replica_gpus if moe_ep else tp
-    lora_bytes = C.LORA_MAX_LORAS * lora_params * 2.0 / tp
+    lora_bytes = lora_adapter_bytes(lora_params, tp)
     budget, w_other, w_expert, reserve = _kv_budget(spec, inf, gpu, tp, ep_group, lora_bytes)
     kv_tok_gpu = kv_bytes_per_token_per_gpu(spec, tp)
     memory = {"decode": _replica_memory(w_other + w_expert, reserve, budget, kv_tok_gpu * mean_tokens)}

@@ -171,9 +171,9 @@ def _trainer(recipe, spec, profile, gpu, nodes: int, tokens: int, mean_seq: int,
 def _inference(recipe, spec, profile, gpu, nodes: int, rollouts: int, mean: int, completion: int, in_flight: int):
     inf = recipe.inference
     gpn = profile.gpus_per_node
-    tp = inf.tp if inf.tp != AUTO else choose_tp(spec, inf, gpu, gpn)
-    dp = inf.dp if inf.dp != AUTO else max(1, gpn // tp)
     lora = lora_params(spec, lora_rank(recipe.trainer), _lora_targets(recipe.trainer))
+    tp = inf.tp if inf.tp != AUTO else choose_tp(spec, inf, gpu, gpn, lora)
+    dp = inf.dp if inf.dp != AUTO else max(1, gpn // tp)
     return plan_inference(spec, inf, nodes=nodes, gpus_per_node=gpn, gpu=gpu, rollouts=rollouts, mean_tokens=mean,
                           lora_params=lora,
                           completion_tokens=completion, max_in_flight=in_flight, tp=tp, dp=dp)

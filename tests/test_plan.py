@@ -253,3 +253,15 @@ def test_max_num_seqs_caps_what_a_server_decodes_at_once():
     default = plan(load_recipe(["tiny-cpu"], ["inference.max_num_seqs='auto'"])).to_json()["inference"]
     assert default["max_concurrent_rollouts"] == 128 < tiny["max_concurrent_rollouts"]
     assert default["rollout_step_time_s"] > tiny["rollout_step_time_s"]
+
+
+def test_auto_tp_leaves_half_the_budget_after_the_whole_reserve():
+    """`inference.tp = 'auto'` picks the smallest TP whose weights leave at least half of what the reserve
+    (activations, the sampler's logits for max_num_seqs sequences, the LoRA adapters) leaves, counted as the
+    KV budget of that TP counts it: rank-512 adapters on every expert push Qwen3-30B-A3B from tp 1 to tp 2."""
+    over = ["inference.max_num_seqs=4096", "trainer.lora.rank=512"]
+    auto = plan(load_recipe(["qwen3-30b-a3b"], over)).to_json()["inference"]
+    mem = auto["replica_memory_gib"]["decode"]
+    assert auto["tp"] == 2 and mem["weights"] <= mem["kv_cache"]
+    half = plan(load_recipe(["qwen3-30b-a3b"], over + ["inference.tp=1"])).to_json()["inference"]
+    assert half["replica_memory_gib"]["decode"]["weights"] > half["replica_memory_gib"]["decode"]["kv_cache"]
