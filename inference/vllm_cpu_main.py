@@ -1,5 +1,5 @@
 """`python -P -m rlctl.inference.vllm_cpu_main ARGS`: vLLM's OpenAI server for the CPU build, its engine
-core forked rather than spawned (and adapter swaps read once, as on GPUs: vllm_main.py).
+core forked rather than spawned (and with vllm_main.py's changes, as on GPUs).
 
 vLLM's API server runs its engine core in a child process. Its CPU platform sets the start method to
 `spawn` unconditionally (`CpuPlatform.check_and_update_config`), so that child imports torch,
@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from rlctl.inference.vllm_main import load_adapters_in_place_once, logprobs_without_token_strings, run_openai_server
+from rlctl.inference.vllm_main import patch_vllm, run_openai_server
 
 log = logging.getLogger("rlctl.inference.vllm_cpu_main")
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
@@ -53,8 +53,7 @@ def main() -> None:
         from rlctl.inference.cpu_routed_experts import accept_v1_cpu_runner
 
         accept_v1_cpu_runner()
-    load_adapters_in_place_once()
-    logprobs_without_token_strings()
+    patch_vllm()
     run_openai_server()
 
 

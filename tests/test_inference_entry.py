@@ -130,3 +130,79 @@ def test_listening_ports_come_from_below_the_ephemeral_range(monkeypatch):
         assert server.free_port("127.0.0.1") != taken.getsockname()[1]  # the OS's pick instead
     monkeypatch.setattr(server, "ephemeral_ports", lambda: (1024, 65535))  # no room below: the OS picks
     assert server.free_port("127.0.0.1") > 0
+
+
+def _joined(stream) -> list[str]:
+    from rlctl.inference.vllm_main import joined_when_ready
+
+    async def collect():
+        return [text async for text in joined_when_ready(stream)]
+    return asyncio.run(collect())
+
+
+async def _bursts(bursts, fail: Exception | None = None):
+    """Each burst's events yielded back to back (as vLLM yields a step's choices), a wait between bursts."""
+    for burst in bursts:
+        for event in burst:
+            yield event
+        await asyncio.sleep(0.01)
+    if fail:
+        raise fail
+
+
+def test_stream_events_ready_at_once_leave_in_one_write():
+    bursts = [[f"data: {s}.{c}\n\n" for c in range(16)] for s in range(3)]
+    assert _joined(_bursts(bursts)) == ["".join(b) for b in bursts]  # same bytes, same order, 3 writes
+
+
+def test_stream_error_is_raised_after_the_events_before_it():
+    got = []
+
+    async def collect():
+        from rlctl.inference.vllm_main import joined_when_ready
+
+        async for text in joined_when_ready(_bursts([["a", "b"], ["c"]], ValueError("engine died"))):
+            got.append(text)
+    with pytest.raises(ValueError, match="engine died"):
+        asyncio.run(collect())
+    assert got == ["ab", "c"]
+
+
+def test_closing_the_joined_stream_cancels_the_request_stream():
+    """A client that goes away closes the response's stream; vLLM's generator must see the cancellation
+    (it aborts the request there), not keep generating into the queue."""
+    from rlctl.inference.vllm_main import joined_when_ready
+
+    seen = []
+
+    async def endless():
+        try:
+            while True:
+                yield "x"
+                await asyncio.sleep(0.001)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    async def first_then_close():
+        stream = joined_when_ready(endless())
+        first = await stream.__anext__()
+        await stream.aclose()
+        await asyncio.sleep(0.01)
+        return first
+    assert asyncio.run(first_then_close()) == "x" and seen == ["cancelled"]
+
+
+def test_completion_streams_are_joined_in_vllms_server(monkeypatch):
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    from rlctl.inference.vllm_main import stream_events_joined
+
+    monkeypatch.setattr(OpenAIServingCompletion, "completion_stream_generator", _events_of_a_step)
+    assert stream_events_joined()
+    assert _joined(OpenAIServingCompletion.completion_stream_generator(None)) == ["data: 0\n\ndata: 1\n\n"]
+
+
+async def _events_of_a_step(self):
+    for choice in range(2):
+        yield f"data: {choice}\n\n"
