@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import logging
 import runpy
 
@@ -44,17 +45,27 @@ log = logging.getLogger("rlctl.inference.vllm_main")
 TOKEN_ID_LOGPROBS_XARG = "rlctl_token_id_logprobs"
 
 
+def vllm_attribute(module: str, owner: str, name: str, unchanged: str):
+    """(class `owner` of vLLM's `module`, its attribute `name`), or None when this vLLM lacks either;
+    then a log line says what is served `unchanged`, as vLLM does."""
+    try:
+        cls = getattr(importlib.import_module(module), owner)
+        return cls, getattr(cls, name)
+    except (ImportError, AttributeError) as exc:
+        log.warning("%s are served as vLLM does (no %s.%s: %r)", unchanged, owner, name, exc)
+        return None
+
+
 def load_adapters_in_place_once() -> bool:
     """Make `/v1/load_lora_adapter` with `load_inplace` load once, not at every later step; False when
     this vLLM has no such method."""
-    try:
-        import msgspec
-        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    import msgspec
 
-        load = OpenAIServingModels.load_lora_adapter
-    except (ImportError, AttributeError) as exc:
-        log.warning("adapter swaps are served as vLLM does (no OpenAIServingModels.load_lora_adapter: %s)", exc)
+    found = vllm_attribute("vllm.entrypoints.openai.models.serving", "OpenAIServingModels", "load_lora_adapter",
+                           "adapter swaps")
+    if found is None:
         return False
+    OpenAIServingModels, load = found
 
     @functools.wraps(load)
     async def load_lora_adapter(self, request, *args, **kwargs):
@@ -71,13 +82,10 @@ def load_adapters_in_place_once() -> bool:
 def logprobs_without_token_strings() -> bool:
     """Skip decoding logprob token strings for requests that name `TOKEN_ID_LOGPROBS_XARG`; False when
     this vLLM has no such hook."""
-    try:
-        from vllm.v1.engine.logprobs import LogprobsProcessor
-
-        new_request = LogprobsProcessor.from_new_request.__func__
-    except (ImportError, AttributeError) as exc:
-        log.warning("logprob token strings are decoded as vLLM does (no LogprobsProcessor.from_new_request: %s)", exc)
+    found = vllm_attribute("vllm.v1.engine.logprobs", "LogprobsProcessor", "from_new_request", "logprob token strings")
+    if found is None:
         return False
+    LogprobsProcessor, new_request = found[0], found[1].__func__
 
     def from_new_request(cls, tokenizer, request):
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
@@ -125,13 +133,11 @@ async def joined_when_ready(stream):
 def stream_events_joined() -> bool:
     """Write each batch of ready completion-stream events at once; False when this vLLM has no
     OpenAIServingCompletion.completion_stream_generator."""
-    try:
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-
-        stream = OpenAIServingCompletion.completion_stream_generator
-    except (ImportError, AttributeError) as exc:
-        log.warning("completion streams are written event by event, as vLLM does (%s)", exc)
+    found = vllm_attribute("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion",
+                           "completion_stream_generator", "completion streams (an event per write)")
+    if found is None:
         return False
+    OpenAIServingCompletion, stream = found
 
     @functools.wraps(stream)
     def completion_stream_generator(self, *args, **kwargs):
