@@ -97,16 +97,14 @@ def lora_adapter_bytes(lora_params: int, tp: int) -> float:
 
 
 def choose_tp(spec, inf, gpu, gpus_per_node: int, lora_params: int = 0) -> int:
-    """Smallest power-of-two TP (≤ a node) whose weights leave at least half the budget for KV cache,
-    with the same reserve (sequence cap, adapters) that the KV budget of the chosen TP counts."""
-    fp8, util, ep = inf.fp8, inf.gpu_memory_utilization, inf.ep
-    max_num_seqs = gpu_max_num_seqs(inf)
+    """Smallest power-of-two TP (≤ a node) whose weights leave at least half the budget for KV cache.
+    The budget is the one the plan reports for that TP (`_kv_budget`), so the two cannot disagree:
+    weights ≤ half of (budget − reserve) is weights ≤ the KV cache left after them."""
     tp = 1
     while tp < max(1, gpus_per_node):
-        reserve = activation_reserve_bytes(spec, tp, max_num_seqs, lora_adapter_bytes(lora_params, tp))
-        budget = util * gpu.hbm_bytes - reserve
-        other, expert = weights_per_gpu(spec, fp8, tp, gpus_per_node if ep else tp)
-        if other + expert <= 0.5 * budget and spec.num_attention_heads % tp == 0:
+        kv, other, expert, _ = _kv_budget(spec, inf, gpu, tp, gpus_per_node if inf.ep else tp,
+                                          lora_adapter_bytes(lora_params, tp))
+        if other + expert <= kv and spec.num_attention_heads % tp == 0:
             break
         tp *= 2
     return min(tp, max(1, gpus_per_node))
