@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cpu_by_component import floor_s
+
 T_START = time.time()  # before the heavy imports: TRL's start-up counts
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.toml"
@@ -182,6 +184,7 @@ def rlctl_summary(run: Path, t0: float | None) -> dict:
     intervals = [b["time"] - a["time"] for a, b in zip(steady, steady[1:])]
     return _summary("rlctl", [r["reward_mean"] for r in orch], [r["time"] for r in orch], t0, t_loop, t_end,
                     tokens, {"step_interval_s": _median(intervals),
+                             "steady_window": (steady[0]["time"], steady[-1]["time"], len(steady) - 1),
                              "trainer_step_s": _median([r["trainer_step_time_s"] for r in trainer
                                                         if "trainer_step_time_s" in r][3:]),
                              "orchestrator_tokens_per_s_median": _median([r["tokens_per_s"] for r in orch])})
@@ -191,14 +194,20 @@ def launch_rlctl(variant: Variant, out_root: Path, model_dir: Path | None) -> di
     """`rlctl launch` of the variant, watched from outside for the start-up timeline (bench_startup)."""
     sys.path.insert(0, str(REPO / "bench"))
     from bench_startup import launch_and_watch
+    from cpu_by_component import CpuSampler
 
     extra = [f"model.name={json.dumps(str(model_dir))}"] if model_dir else []
     args = argparse.Namespace(recipe=str(TINY), override=[*variant.overrides, *extra], steps=None)
     t0 = time.time()
+    sampler = CpuSampler(out_root)
+    sampler.start()
     watcher, first_step, rc = launch_and_watch(out_root, args)
+    sampler.stop.set()
+    sampler.join()
     if rc != 0:
         sys.exit(f"rlctl launch failed (exit {rc})")
     summary = rlctl_summary(next(out_root.iterdir()), t0)
+    summary["cpu_per_step_s"] = sampler.per_step(*summary.pop("steady_window"))
     timeline = {name: round(t - watcher.launched, 2) for name, t in watcher.seen.items()}
     if first_step is not None:
         timeline["first trainer step starts"] = round(
@@ -224,14 +233,19 @@ def vllm_alone(variant: Variant, model_dir: Path | None, out_dir: Path, repeats:
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=inf["max_model_len"], seed=0)
     env = load_environment(o["environment"]["name"], o["environment"]["args"])
     prompts = [p.text for p in env.sample_prompts(random.Random(0), o["rollouts_per_step"] // o["group_size"])]
-    params = SamplingParams(n=o["group_size"], max_tokens=o["max_tokens"], temperature=o["temperature"], logprobs=0)
-    times = []
+    # Every completion max_tokens long: the batch a trained policy sends in rlctl's steady state (count_a's
+    # completions run to the limit once learnt), not the untrained model's, whose early EOS shortens it.
+    params = SamplingParams(n=o["group_size"], max_tokens=o["max_tokens"], temperature=o["temperature"], logprobs=0,
+                            ignore_eos=True)
+    times, cpu = [], []
     for _ in range(repeats + 1):  # the first one warms up
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()  # CPU seconds of all this process's threads
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
-    return {"side": "vllm-alone", "batch_s": statistics.median(times[1:]), "batch_tokens": tokens}
+    return {"side": "vllm-alone", "batch_s": statistics.median(times[1:]), "batch_cpu_s": statistics.median(cpu[1:]),
+            "batch_tokens": tokens}
 
 
 def _child(side: str, variant_name: str, python: str, model_dir: Path | None, max_steps: int) -> dict:
@@ -276,6 +290,13 @@ def report(name: str, variant: Variant, rows: dict) -> None:
                   f"rlctl reaches {ratio / ceiling:.0%} of it")
         if rl["wall_to_target_s"] and trl["wall_to_target_s"]:
             print(f"wall to reward {TARGET} rlctl/TRL: {rl['wall_to_target_s'] / trl['wall_to_target_s']:.2f}x")
+    if rl and rl.get("cpu_per_step_s"):
+        cpu = rl["cpu_per_step_s"]
+        print("rlctl CPU seconds per step (steady state, from /proc): "
+              + ", ".join(f"{name} {v:.3f}" for name, v in cpu.items())
+              + f"; {sum(cpu.values()):.3f} in all on {os.cpu_count()} cores, so no step interval below "
+              f"{floor_s(cpu):.2f} s however they are scheduled"
+              + (f" (vLLM alone: {alone['batch_cpu_s']:.3f} CPU s per batch)" if alone and alone.get("batch_cpu_s") else ""))
     if rl and alone and rl["step_interval_s"]:
         compute = max(alone["batch_s"], rl["trainer_step_s"] or 0.0)
         share = (rl["step_interval_s"] - compute) / rl["step_interval_s"]
