@@ -50,14 +50,15 @@ def best_window_mean(rewards: list[float], window: int = 5) -> float:
 
 def learning_report(trainer: list[dict], orch: list[dict]) -> str:
     """A run's learning curve and what tells a slow curve from an unstable one (policy lag, trainer/
-    inference mismatch, masked tokens, gradient norms), for the message of a failed reward check."""
+    inference mismatch, masked tokens, gradient norms) or from one stuck on confident wrong answers
+    (entropy near zero below the reward bar), for the message of a failed reward check."""
     def series(recs, key, digits=4):
         return [round(r[key], digits) if isinstance(r.get(key), (int, float)) else None for r in recs]
 
     return "\n".join(f"{name} {values}" for name, values in (
         ("rewards", series(orch, "reward_mean", 3)), ("lag", series(orch, "off_policy_lag_mean", 2)),
         ("mismatch_kl", series(trainer, "mismatch_kl")), ("masked_fraction", series(trainer, "masked_fraction")),
-        ("grad_norm", series(trainer, "grad_norm", 3))))
+        ("grad_norm", series(trainer, "grad_norm", 3)), ("entropy", series(trainer, "entropy", 3))))
 
 
 def assert_contract_keys(trainer: list[dict], orch: list[dict]) -> None:
