@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpu_by_component import floor_s
+from cpu_by_component import CpuSampler, floor_s
 
 T_START = time.time()  # before the heavy imports: TRL's start-up counts
 REPO = Path(__file__).resolve().parents[1]
@@ -194,7 +194,6 @@ def launch_rlctl(variant: Variant, out_root: Path, model_dir: Path | None) -> di
     """`rlctl launch` of the variant, watched from outside for the start-up timeline (bench_startup)."""
     sys.path.insert(0, str(REPO / "bench"))
     from bench_startup import launch_and_watch
-    from cpu_by_component import CpuSampler
 
     extra = [f"model.name={json.dumps(str(model_dir))}"] if model_dir else []
     args = argparse.Namespace(recipe=str(TINY), override=[*variant.overrides, *extra], steps=None)

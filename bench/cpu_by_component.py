@@ -14,6 +14,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from rlctl.orchestrator.exchange.procstat import proc_stat
+
 TICKS = os.sysconf("SC_CLK_TCK")
 LABELS = (  # first match wins
     ("VLLM::EngineCore", "vLLM engine"),
@@ -31,12 +33,13 @@ def _label(cmdline: str) -> str:
 
 def _read(pid: str) -> tuple[int, float, str] | None:
     """(parent pid, CPU seconds so far, command line) of one process, None once it is gone."""
+    fields = proc_stat(int(pid))  # the project's one reader of /proc/<pid>/stat (fields after the name)
+    if fields is None:
+        return None
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the name in parentheses may hold spaces
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS, cmdline
 
 
