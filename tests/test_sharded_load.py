@@ -240,18 +240,20 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
         # the publish path, back to the checkpoint's names: every rank writes whole tensors of its own
-        # (small buckets: several shards per rank), rank 0 seals; nothing is gathered on one rank
+        # (small buckets: several shards per rank), rank 0 seals; nothing is gathered on one rank. In
+        # bf16 too: each rank casts its shard (any placement) before the gather
         store = FilesystemWeightStore(Path(model_dir).parent / "published")
         group = ProcessGroupRanks()
-        step_dir = store.publish(1, model.config.to_dict(), publish_buckets(
-            model, model.config.to_dict(), torch.float32, group.rank, group.world, bucket_bytes=4096), group)
-        dist.barrier()  # rank 0 has sealed
-        if rank == 0:
-            stored, published = _checkpoint_tensors(Path(model_dir)), read_weights(step_dir)
-            assert len(shard_files(step_dir)) >= world
-            assert published.keys() == stored.keys(), published.keys() ^ stored.keys()
-            for name, tensor in stored.items():
-                assert torch.equal(published[name], tensor), name
+        for step, dtype in enumerate((torch.float32, torch.bfloat16), 1):
+            step_dir = store.publish(step, model.config.to_dict(), publish_buckets(
+                model, model.config.to_dict(), dtype, group.rank, group.world, bucket_bytes=4096), group)
+            dist.barrier()  # rank 0 has sealed
+            if rank == 0:
+                stored, published = _checkpoint_tensors(Path(model_dir)), read_weights(step_dir)
+                assert len(shard_files(step_dir)) >= world
+                assert published.keys() == stored.keys(), published.keys() ^ stored.keys()
+                for name, tensor in stored.items():
+                    assert published[name].dtype == dtype and torch.equal(published[name], tensor.to(dtype)), name
     finally:
         dist.destroy_process_group()
 

@@ -1,12 +1,12 @@
 """The trainer's side of weight publishing: which rank writes which tensors, and producing them.
 
 Every rank owns a disjoint set of whole model tensors, balanced by bytes (`assign`). Publishing walks
-the tensors in one order on every rank: each sharded tensor is gathered (a collective, so every rank
-takes part), kept only by its owner, cast to the serving dtype and renamed to checkpoint names
-(`hf_names.to_checkpoint_names`: MoE experts one tensor per expert, as vLLM's reload expects). The
-owner hands each full bucket to the `WeightStore` and drops it, so a rank's peak is its FSDP shard plus
-one bucket (plus the one tensor being gathered). Where and how weights travel is the exchange's
-business (`rlctl.orchestrator.exchange.weights`).
+the tensors in one order on every rank: each rank casts its shard of a tensor to the serving dtype, the
+tensor is gathered (a collective, so every rank takes part), kept only by its owner and renamed to
+checkpoint names (`hf_names.to_checkpoint_names`: MoE experts one tensor per expert, as vLLM's reload
+expects). The owner hands each full bucket to the `WeightStore` and drops it, so a rank's peak is its
+FSDP shard plus one bucket (plus the one tensor being gathered, in the serving dtype). Where and how
+weights travel is the exchange's business (`rlctl.orchestrator.exchange.weights`).
 """
 from __future__ import annotations
 
@@ -95,10 +95,12 @@ def publish_buckets(model, config: dict, dtype, rank: int, world: int,
         mine = {}
         for owner, buckets in enumerate(plan):
             for name in buckets[k] if k < len(buckets) else ():
-                t = state[name]
+                # cast each rank's shard before the gather: the gather then moves (and every rank
+                # briefly holds) the tensor in the serving dtype, half the bytes of fp32 master weights
+                t = state[name].detach().to(dtype)
                 full = t.full_tensor() if isinstance(t, DTensor) else t
                 if owner == rank:
-                    mine[name] = full.detach().to(dtype).cpu().contiguous()  # cast first: fewer bytes to copy
-                del full
+                    mine[name] = full.cpu().contiguous()
+                del full, t
         if mine:
             yield to_checkpoint_names(mine, config)
