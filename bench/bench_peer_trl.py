@@ -9,7 +9,8 @@ router + orchestrator + 2-rank FSDP2 trainer overlapping by one policy step. Var
 - `toy`: recipes/tiny-cpu.toml as it is (0.1M parameters, `sequence`, 32 x 16 rollouts of 2 tokens);
 - `generation`: generation-heavy: `count_a` over 32 tokens, 16 x 16 rollouts per step;
 - `compute`: compute-bound: a 25M-parameter Qwen3 (8 layers, hidden 512), `count_a` over 64 tokens,
-  4 x 16 rollouts per step, a fixed number of steps (throughput only, no reward target).
+  4 x 16 rollouts per step, a fixed number of steps (throughput only, no reward target), at lr 5e-4
+  (at the toy's 2e-3 rlctl's runs, one policy step behind, collapse: see COMPUTE_LR).
 
 Reported per side: wall time from start (before imports / before `rlctl launch`) to the first step whose
 mean reward is >= 0.9, the reward reached, and rollout throughput = completion tokens generated / wall
@@ -62,10 +63,18 @@ def _count_a(length: int, prompts: int, micro_batch: int, steps: int) -> tuple[s
             f"inference.max_model_len={max(64, 2 * length)}")
 
 
+# At the toy's 2e-3 an rlctl run sampled one step behind collapsed (reward 0.02 -> 0.25 -> 0.00 by step
+# 3, every completion then 64 non-'a' tokens) while the same run on-policy (`max_off_policy_steps=0`)
+# and TRL reached 1.0 in 3 steps: one update moved the policy by a KL of 0.8-2.5 (the next batch's
+# mismatch_kl) and the ratio mask dropped 27-40% of a batch's tokens; the importance correction of a
+# one-step-old batch does not hold steps that large. At 5e-4 the run one step behind reached 0.95 by
+# step 4.
+COMPUTE_LR = "trainer.optimizer.lr=5e-4"
+
 VARIANTS = {
     "toy": Variant(),
     "generation": Variant(_count_a(32, 16, 128, 60), tokens_per_s_goal=0.5, overhead_goal=0.15),
-    "compute": Variant(_count_a(64, 4, 32, 12), target=None, tokens_per_s_goal=0.9,
+    "compute": Variant((*_count_a(64, 4, 32, 12), COMPUTE_LR), target=None, tokens_per_s_goal=0.9,
                        model=(("hidden_size", 512), ("intermediate_size", 1536), ("num_hidden_layers", 8),
                               ("max_window_layers", 8), ("num_attention_heads", 8), ("num_key_value_heads", 4),
                               ("head_dim", 64))),
