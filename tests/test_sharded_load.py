@@ -215,12 +215,13 @@ def _checkpoint_tensors(model_dir: Path) -> dict:
 
 def _equivalence_rank(rank, world, port, model_dir, layout):
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, read_weights, shard_files
     from rlctl.trainer.sharded_load import build_meta_model, checkpoint_name, materialize_and_load
-    from rlctl.trainer.weights import ProcessGroupRanks, publish_buckets
+    from rlctl.trainer.weights import _BLOCKS, ProcessGroupRanks, _tiles, publish_buckets
 
     _init(rank, world, port)
     try:
@@ -244,16 +245,20 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
         # bf16 too: each rank casts its shard (any placement) before the gather
         store = FilesystemWeightStore(Path(model_dir).parent / "published")
         group = ProcessGroupRanks()
+        stored = _checkpoint_tensors(Path(model_dir)) if rank == 0 else {}
         for step, dtype in enumerate((torch.float32, torch.bfloat16), 1):
             step_dir = store.publish(step, model.config.to_dict(), publish_buckets(
                 model, model.config.to_dict(), dtype, group.rank, group.world, bucket_bytes=4096), group)
             dist.barrier()  # rank 0 has sealed
             if rank == 0:
-                stored, published = _checkpoint_tensors(Path(model_dir)), read_weights(step_dir)
+                published = read_weights(step_dir)
                 assert len(shard_files(step_dir)) >= world
                 assert published.keys() == stored.keys(), published.keys() ^ stored.keys()
                 for name, tensor in stored.items():
                     assert published[name].dtype == dtype and torch.equal(published[name], tensor.to(dtype)), name
+        # every placement here is a grid of blocks: each tensor went to its owner alone, no all-gather
+        shapes = get_model_state_dict(model)
+        assert all(_tiles(b, shapes[n].shape) for n, b in _BLOCKS[model].items()), _BLOCKS[model]
     finally:
         dist.destroy_process_group()
 

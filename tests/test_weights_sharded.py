@@ -1,5 +1,5 @@
 """Sharded publish: every trainer rank writes whole tensors of its own, in the serving dtype, and no
-rank's memory grows by more than one bucket (plus the one tensor being gathered) while publishing."""
+rank's memory grows by more than one bucket (plus the one tensor being assembled) while publishing."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ from trainer_fixtures import spawn_ranks
 from rlctl.orchestrator.exchange.steps import MARKER
 from rlctl.orchestrator.exchange.weights_fs import (INDEX_FILE, FilesystemWeightStore, read_weights, shard_files,
                                                     write_safetensors)
-from rlctl.trainer.weights import assign, serving_dtype
+from rlctl.trainer.weights import _tiles, assign, serving_dtype
 
 TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -43,6 +43,19 @@ def test_assign_is_disjoint_balanced_by_bytes_and_bucketed():
         assert order == sorted(order, key=lambda n: int(n[1:]))  # a rank keeps the model's order
     assert assign(sizes, 1, 10**9) == [[[n for n, _ in sizes]]]
     assert assign([], 2, 64) == [[], []]
+
+
+def test_blocks_tile_only_as_a_grid():
+    """The owner assembles a tensor from the blocks ranks send only when their distinct non-empty
+    blocks partition it as a grid; anything else goes the all-gather way."""
+    rows = [((0, 3), (0, 4)), ((3, 5), (0, 4)), ()]  # uneven rows, a rank with nothing
+    assert _tiles(rows, (5, 4))
+    grid = [((0, 2), (0, 2)), ((0, 2), (2, 4)), ((2, 4), (0, 2)), ((2, 4), (2, 4))]
+    assert _tiles(grid + grid, (4, 4))  # replicated: every block held twice
+    assert not _tiles(grid[:3], (4, 4))  # a block missing
+    assert not _tiles([((0, 2),), ((1, 3),)], (3,))  # overlapping (a strided layout's first offsets)
+    assert not _tiles([((0, 2),), ((2, 3),)], (4,))  # short of the end
+    assert not _tiles([((0, 2), (0, 4)), ((2, 4), (0, 2))], (4, 4))  # not every combination
 
 
 def test_written_safetensors_read_back_exactly(tmp_path):
@@ -181,13 +194,12 @@ def test_ranks_write_their_own_shards_in_the_serving_dtype(tmp_path, world):
 @pytest.mark.slow
 def test_publish_memory_is_one_bucket_per_rank_not_the_model(tmp_path, capsys):
     """A 105M-parameter model (0.42 GB fp32) on 2 ranks, published in bf16 with 32 MiB buckets: in a
-    steady-state publish each rank's peak RSS grows by one bucket plus the tensor being gathered (the
-    gather's output, gloo's flat copy of it in its worker thread, and what glibc keeps of both in its
-    arenas: measured 10-116 MiB over runs when the gather moved fp32, 2-56 MiB since it moves the
-    serving dtype; bounded here by 4 × the tensor in fp32 + 48 MiB) and by well
-    under the fp32 model; the first publish (imports included) by under half of it. Gathering the
-    full state dict on rank 0 (the publish before) grew it by 415 MiB, the whole fp32 model, on the
-    first publish (memory glibc then keeps)."""
+    steady-state publish each rank's peak RSS grows by one bucket plus the tensor being assembled (its
+    blocks as received and what glibc keeps of them: measured 10-116 MiB over runs when an all-gather
+    moved fp32, 2-56 MiB in bf16, 0-56 MiB since each tensor goes to its owner alone; bounded here by
+    4 × the tensor in fp32 + 48 MiB) and by well under the fp32 model; the first publish (imports
+    included) by under half of it. Gathering the full state dict on rank 0 (the publish before) grew
+    it by 415 MiB, the whole fp32 model, on the first publish (memory glibc then keeps)."""
     params = sum(torch.Size(s).numel() for s in _shapes(BIG))
     assert params >= 100_000_000
     report = tmp_path / "report"

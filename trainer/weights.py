@@ -1,11 +1,12 @@
 """The trainer's side of weight publishing: which rank writes which tensors, and producing them.
 
 Every rank owns a disjoint set of whole model tensors, balanced by bytes (`assign`). Publishing walks
-the tensors in one order on every rank: each rank casts its shard of a tensor to the serving dtype, the
-tensor is gathered (a collective, so every rank takes part), kept only by its owner and renamed to
-checkpoint names (`hf_names.to_checkpoint_names`: MoE experts one tensor per expert, as vLLM's reload
-expects). The owner hands each full bucket to the `WeightStore` and drops it, so a rank's peak is its
-FSDP shard plus one bucket (plus the one tensor being gathered, in the serving dtype). Where and how
+the tensors in one order on every rank: each rank casts its shard of a tensor to the serving dtype and
+sends it to the tensor's owner alone (point to point; one sender per distinct block), which assembles
+it and renames it to checkpoint names (`hf_names.to_checkpoint_names`: MoE experts one tensor per
+expert, as vLLM's reload expects). An all-gather would hand every rank every tensor: N times the bytes
+at world N. The owner hands each full bucket to the `WeightStore` and drops it, so a rank's peak is its
+FSDP shard plus one bucket (plus the one tensor being assembled, in the serving dtype). Where and how
 weights travel is the exchange's business (`rlctl.orchestrator.exchange.weights`).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -77,10 +79,86 @@ def assign(sizes: list[tuple[str, int]], world: int, bucket_bytes: int) -> list[
     return plan
 
 
+_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _blocks_of_every_rank(model, state: dict) -> dict[str, list[tuple[tuple[int, int], ...]]]:
+    """For each DTensor in `state`, the block (start, stop per dim) every global rank holds; () where a
+    rank holds nothing. One object all-gather per model (layouts do not change while training)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from rlctl.trainer.sharded_load import owned_block
+
+    if model in _BLOCKS:
+        return _BLOCKS[model]
+    mine = {}
+    for name, t in state.items():
+        if isinstance(t, DTensor):
+            block = tuple((s.start, s.stop) for s in owned_block(t))
+            mine[name] = block if len(block) == t.dim() and all(b > a for a, b in block) else ()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    blocks = {name: [ranks[name] for ranks in every] for name in mine}
+    _BLOCKS[model] = blocks
+    return blocks
+
+
+def _tiles(blocks: list, shape) -> bool:
+    """Whether the distinct non-empty blocks partition a tensor of `shape`: along each dim their ranges
+    chain from 0 to the size, and every combination of those ranges is a block (a grid)."""
+    distinct = {b for b in blocks if b}
+    grid = 1
+    for dim, size in enumerate(shape):
+        ranges = sorted({b[dim] for b in distinct})
+        if [a for a, _ in ranges] != [0] + [b for _, b in ranges[:-1]] or ranges[-1][1] != size:
+            return False
+        grid *= len(ranges)
+    return len(distinct) == grid
+
+
+def _gather_to_owner(t, owner: int, rank: int, blocks: list):
+    """The full tensor of DTensor `t` on `owner` (None elsewhere), each block sent point to point by one
+    of the ranks holding it (the owner itself when it holds one). Every rank receives only what it
+    owns, where an all-gather would hand every rank every tensor: at world N, 1/N of the bytes."""
+    import torch
+    import torch.distributed as dist
+
+    senders: dict = {}
+    for r, block in enumerate(blocks):
+        if block and (block not in senders or r == owner):
+            senders[block] = r
+    # batched point-to-point: NCCL then uses the group's communicator, where single send/recv calls
+    # would create a two-rank communicator for every pair of ranks
+    if rank != owner:
+        if senders.get(blocks[rank]) == rank:
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t.to_local().contiguous(), owner)]):
+                work.wait()
+        return None
+    local = t.to_local()
+    full = torch.empty(t.shape, dtype=local.dtype, device=local.device)
+    receives = []
+    for block, src in senders.items():
+        view = full[tuple(slice(a, b) for a, b in block)]
+        if src == rank:
+            view.copy_(local)
+            continue
+        buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=full.dtype, device=full.device)
+        receives.append((dist.P2POp(dist.irecv, buf, src), buf, view))
+    for work in dist.batch_isend_irecv([op for op, _, _ in receives]) if receives else ():
+        work.wait()
+    for _, buf, view in receives:
+        if buf is not view:
+            view.copy_(buf)
+    return full
+
+
 def publish_buckets(model, config: dict, dtype, rank: int, world: int,
                     bucket_bytes: int = BUCKET_BYTES) -> Iterator[dict]:
     """Collective generator (every rank drains it): this rank's buckets of full checkpoint-named CPU
-    tensors in `dtype`. Round k gathers bucket k of every rank, so all ranks write at the same time."""
+    tensors in `dtype`. Round k sends bucket k of every rank to its owner, so all ranks write at the
+    same time. `rank`/`world` are the ranks of the plan (world 1: rank 0 owns everything)."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
@@ -89,16 +167,23 @@ def publish_buckets(model, config: dict, dtype, rank: int, world: int,
     state = get_model_state_dict(model)  # sharded as trained (DTensors), clean names; nothing gathered
     if config.get("tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # it aliases the embedding; loaders re-tie it
+    blocks = _blocks_of_every_rank(model, state) if any(isinstance(t, DTensor) for t in state.values()) else {}
+    me = dist.get_rank() if blocks else rank  # the sends run over the default group's global ranks
     itemsize = dtype.itemsize
     plan = assign([(name, t.numel() * itemsize) for name, t in state.items()], world, bucket_bytes)
     for k in range(max(len(buckets) for buckets in plan)):
         mine = {}
         for owner, buckets in enumerate(plan):
             for name in buckets[k] if k < len(buckets) else ():
-                # cast each rank's shard before the gather: the gather then moves (and every rank
-                # briefly holds) the tensor in the serving dtype, half the bytes of fp32 master weights
+                # cast each rank's shard before sending it: the owner receives (and holds) the tensor in
+                # the serving dtype, half the bytes of fp32 master weights
                 t = state[name].detach().to(dtype)
-                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if not isinstance(t, DTensor):
+                    full = t
+                elif _tiles(blocks[name], t.shape):
+                    full = _gather_to_owner(t, owner, me, blocks[name])
+                else:  # a layout whose blocks are not a grid: the general (all-gather) path
+                    full = t.full_tensor()
                 if owner == rank:
                     mine[name] = full.cpu().contiguous()
                 del full, t

@@ -1,8 +1,8 @@
 """The trainer's side of the broadcast weight transport (`weights.transport = "broadcast"`).
 
-Rank 0 sends every tensor (`exchange/weights_broadcast.py`); all ranks gather bucket by bucket as the
-filesystem publish does (`weights.publish_buckets`), but with rank 0 owning every tensor, so the other
-ranks' iterators only run the gathers and rank 0 never holds more than one bucket beyond its shard.
+Rank 0 sends every tensor (`exchange/weights_broadcast.py`); it assembles them bucket by bucket as the
+filesystem publish does (`weights.publish_buckets`), but owning every tensor, so the other ranks'
+iterators only send their shards to it and rank 0 never holds more than one bucket beyond its shard.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _stop_reason(run, term) -> str | None:
 
 def broadcast_buckets(model, config: dict, dtype, rank: int, bucket_bytes: int):
     """Collective generator (every rank drains it): rank 0 gets every tensor of the model, bucket by
-    bucket, in `dtype` under checkpoint names; the other ranks get nothing but take part in the gathers."""
+    bucket, in `dtype` under checkpoint names; the other ranks get nothing but send rank 0 their shards."""
     from rlctl.trainer.weights import publish_buckets
 
     return publish_buckets(model, config, dtype, rank, 1, bucket_bytes)
