@@ -186,9 +186,9 @@ def _init(rank, world, port):
 
 
 def _shard(model, layout: str, world: int):
-    """`fsdp`: fully_shard per layer + root over a 1-D mesh; `ep`: the trainer's composition (experts
-    DTensors Shard(0) over `ep`, FSDP over `efsdp`, dense params over `fsdp`) with activation
-    checkpointing (wrapped module names)."""
+    """`fsdp`: fully_shard per layer + root over a 1-D mesh; `hsdp`: the trainer's FSDP over a 2-D
+    (dp_replicate, fsdp) mesh; `ep`: the trainer's composition (experts DTensors Shard(0) over `ep`, FSDP
+    over `efsdp`, dense params over `fsdp`) with activation checkpointing (wrapped module names)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -200,8 +200,12 @@ def _shard(model, layout: str, world: int):
         return
     from rlctl.trainer.degrees import ParallelDims
     from rlctl.trainer.expert_parallel import apply_expert_parallel
-    from rlctl.trainer.parallel import apply_fsdp, build_mesh
+    from rlctl.trainer.parallel import apply_fsdp, build_mesh, fsdp_mesh
 
+    if layout == "hsdp":  # 2 replicas × 2 shards: every block held by two ranks, one of them sends it
+        dims = ParallelDims(2, world // 2, 1, 1, 1, world)
+        apply_fsdp(model, fsdp_mesh(build_mesh(dims, torch.device("cpu")), dims), None, "float32", False)
+        return
     mesh = build_mesh(ParallelDims(1, world, 1, 1, 2, world), torch.device("cpu"))
     apply_expert_parallel(model, mesh["ep"])
     apply_fsdp(model, mesh["fsdp"], mesh["efsdp"], "float32", True)
@@ -275,12 +279,14 @@ def test_two_ranks_load_exactly_what_from_pretrained_loads(tmp_path, case):
     spawn_ranks(_equivalence_rank, 2, str(out), "ep" if case.endswith("ep2") else "fsdp")
 
 
-@pytest.mark.parametrize("cfg", [SMALL_MOE, TWO_EXPERTS], ids=["strided-experts", "expert-rows"])
-def test_four_ranks_fsdp2_x_ep2_load_exactly_what_from_pretrained_loads(tmp_path, cfg):
+@pytest.mark.parametrize("cfg, layout", [(SMALL_MOE, "ep"), (TWO_EXPERTS, "ep"), (SMALL_MOE, "hsdp")],
+                         ids=["strided-experts", "expert-rows", "hsdp"])
+def test_four_ranks_load_exactly_what_from_pretrained_loads(tmp_path, cfg, layout):
     """dp_shard 4 × ep 2: 8 experts → 2 per rank (experts split by ep, then by efsdp: _StridedShard);
-    2 experts → each rank holds half the rows of one expert (the gate or the up half of gate_up)."""
+    2 experts → each rank holds half the rows of one expert (the gate or the up half of gate_up);
+    HSDP 2 × 2: each shard held by two ranks (Replicate over dp_replicate)."""
     out = _save_checkpoint(_random_model(cfg, seed=2), cfg, tmp_path / "ckpt")
-    spawn_ranks(_equivalence_rank, 4, str(out), "ep")
+    spawn_ranks(_equivalence_rank, 4, str(out), layout)
 
 
 # ---- host memory -----------------------------------------------------------------------------------
