@@ -39,22 +39,24 @@ def _received_bytes(model, rank: int, world: int, itemsize: int) -> tuple[int, i
     """(owner path, all-gather) bytes this rank receives in one publish."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from rlctl.trainer.weights import _BLOCKS, assign
+    from rlctl.trainer.weights import _ROUTES, assign
 
     state = get_model_state_dict(model)
     state.pop("lm_head.weight", None)
-    blocks = _BLOCKS[model]
+    routes = _ROUTES[model]
     plan = assign([(n, t.numel() * itemsize) for n, t in state.items()], world, BUCKET)
     mine = {n for bucket in plan[rank] for n in bucket}
 
     def missing(name: str) -> int:
-        own = blocks[name][rank]
-        held = 1
-        for a, b in own:
-            held *= b - a
-        return (state[name].numel() - (held if own else 0)) * itemsize
+        held = 0
+        for block, ranks in routes[name].items():
+            if rank in ranks:
+                held = 1
+                for a, b in block:
+                    held *= b - a
+        return (state[name].numel() - held) * itemsize
 
-    return sum(missing(n) for n in mine if n in blocks), sum(missing(n) for n in blocks)
+    return sum(missing(n) for n in mine if n in routes), sum(missing(n) for n in routes)
 
 
 def _rank(rank: int, world: int, port: int, repeats: int, results) -> None:
@@ -78,10 +80,9 @@ def _rank(rank: int, world: int, port: int, repeats: int, results) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().normal_(0, 0.02)
-    tiles = weights._tiles
-
     def drain(all_gather: bool) -> float:
-        weights._tiles = (lambda blocks, shape: False) if all_gather else tiles
+        if model in weights._ROUTES:  # no route: every tensor takes the all-gather path
+            weights._ROUTES[model] = {n: None for n in routes} if all_gather else routes
         dist.barrier()
         t0 = time.perf_counter()
         for _ in weights.publish_buckets(model, BIG_DENSE, torch.bfloat16, rank, world, BUCKET):
@@ -90,11 +91,12 @@ def _rank(rank: int, world: int, port: int, repeats: int, results) -> None:
         return time.perf_counter() - t0
 
     drain(False)  # the first publish learns the blocks and warms the paths
+    routes = weights._ROUTES[model]
     times: dict[str, list[float]] = {"owner": [], "gather": []}
     for i in range(repeats):
         for name in (("owner", "gather") if i % 2 == 0 else ("gather", "owner")):
             times[name].append(drain(name == "gather"))
-    weights._tiles = tiles
+    weights._ROUTES[model] = routes
     received = torch.tensor(_received_bytes(model, rank, world, 2), dtype=torch.int64)
     dist.all_reduce(received, op=dist.ReduceOp.MAX)
     if rank == 0:

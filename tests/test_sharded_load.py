@@ -219,13 +219,12 @@ def _checkpoint_tensors(model_dir: Path) -> dict:
 
 def _equivalence_rank(rank, world, port, model_dir, layout):
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, read_weights, shard_files
     from rlctl.trainer.sharded_load import build_meta_model, checkpoint_name, materialize_and_load
-    from rlctl.trainer.weights import _BLOCKS, ProcessGroupRanks, _tiles, publish_buckets
+    from rlctl.trainer.weights import _ROUTES, ProcessGroupRanks, publish_buckets
 
     _init(rank, world, port)
     try:
@@ -261,8 +260,10 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
                 for name, tensor in stored.items():
                     assert published[name].dtype == dtype and torch.equal(published[name], tensor.to(dtype)), name
         # every placement here is a grid of blocks: each tensor went to its owner alone, no all-gather
-        shapes = get_model_state_dict(model)
-        assert all(_tiles(b, shapes[n].shape) for n, b in _BLOCKS[model].items()), _BLOCKS[model]
+        routes = _ROUTES[model]
+        assert routes and all(route is not None for route in routes.values()), routes
+        if layout == "hsdp":  # every block held by one rank of each replica
+            assert all(len(ranks) == 2 for route in routes.values() for ranks in route.values()), routes
     finally:
         dist.destroy_process_group()
 

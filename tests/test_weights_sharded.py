@@ -196,7 +196,7 @@ def test_publish_memory_is_one_bucket_per_rank_not_the_model(tmp_path, capsys):
     """A 105M-parameter model (0.42 GB fp32) on 2 ranks, published in bf16 with 32 MiB buckets: in a
     steady-state publish each rank's peak RSS grows by one bucket plus the tensor being assembled (its
     blocks as received and what glibc keeps of them: measured 10-116 MiB over runs when an all-gather
-    moved fp32, 2-56 MiB in bf16, 0-56 MiB since each tensor goes to its owner alone; bounded here by
+    moved fp32, 2-56 MiB in bf16, 0-63 MiB since each tensor goes to its owner alone; bounded here by
     4 × the tensor in fp32 + 48 MiB) and by well under the fp32 model; the first publish (imports
     included) by under half of it. Gathering the full state dict on rank 0 (the publish before) grew
     it by 415 MiB, the whole fp32 model, on the first publish (memory glibc then keeps)."""

@@ -79,19 +79,21 @@ def assign(sizes: list[tuple[str, int]], world: int, bucket_bytes: int) -> list[
     return plan
 
 
-_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+Block = tuple[tuple[int, int], ...]  # (start, stop) per dim of a global tensor; () for nothing held
+_ROUTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _blocks_of_every_rank(model, state: dict) -> dict[str, list[tuple[tuple[int, int], ...]]]:
-    """For each DTensor in `state`, the block (start, stop per dim) every global rank holds; () where a
-    rank holds nothing. One object all-gather per model (layouts do not change while training)."""
+def _routes(model, state: dict) -> dict[str, dict[Block, list[int]] | None]:
+    """For each DTensor in `state`: its distinct blocks and the global ranks holding each, or None
+    where the blocks do not form a grid (that tensor is all-gathered). One object all-gather per model,
+    the first time it is published (layouts do not change while training)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from rlctl.trainer.sharded_load import owned_block
 
-    if model in _BLOCKS:
-        return _BLOCKS[model]
+    if model in _ROUTES:
+        return _ROUTES[model]
     mine = {}
     for name, t in state.items():
         if isinstance(t, DTensor):
@@ -99,12 +101,18 @@ def _blocks_of_every_rank(model, state: dict) -> dict[str, list[tuple[tuple[int,
             mine[name] = block if len(block) == t.dim() and all(b > a for a, b in block) else ()
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    blocks = {name: [ranks[name] for ranks in every] for name in mine}
-    _BLOCKS[model] = blocks
-    return blocks
+    routes = {}
+    for name in mine:
+        holders: dict[Block, list[int]] = {}
+        for rank, ranks_blocks in enumerate(every):
+            if ranks_blocks[name]:
+                holders.setdefault(ranks_blocks[name], []).append(rank)
+        routes[name] = holders if _tiles(list(holders), tuple(state[name].shape)) else None
+    _ROUTES[model] = routes
+    return routes
 
 
-def _tiles(blocks: list, shape) -> bool:
+def _tiles(blocks: list[Block], shape) -> bool:
     """Whether the distinct non-empty blocks partition a tensor of `shape`: along each dim their ranges
     chain from 0 to the size, and every combination of those ranges is a block (a grid)."""
     distinct = {b for b in blocks if b}
@@ -117,21 +125,18 @@ def _tiles(blocks: list, shape) -> bool:
     return len(distinct) == grid
 
 
-def _gather_to_owner(t, owner: int, rank: int, blocks: list):
-    """The full tensor of DTensor `t` on `owner` (None elsewhere), each block sent point to point by one
-    of the ranks holding it (the owner itself when it holds one). Every rank receives only what it
-    owns, where an all-gather would hand every rank every tensor: at world N, 1/N of the bytes."""
+def _gather_to_owner(t, owner: int, rank: int, holders: dict[Block, list[int]]):
+    """The full tensor of DTensor `t` on global rank `owner` (None elsewhere): each block sent point to
+    point by one of the ranks holding it (the owner copies a block it holds itself). Every rank receives
+    only the tensors it owns, where an all-gather would hand every rank every tensor."""
     import torch
     import torch.distributed as dist
 
-    senders: dict = {}
-    for r, block in enumerate(blocks):
-        if block and (block not in senders or r == owner):
-            senders[block] = r
+    senders = {block: owner if owner in ranks else ranks[0] for block, ranks in holders.items()}
     # batched point-to-point: NCCL then uses the group's communicator, where single send/recv calls
     # would create a two-rank communicator for every pair of ranks
     if rank != owner:
-        if senders.get(blocks[rank]) == rank:
+        if rank in senders.values():
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t.to_local().contiguous(), owner)]):
                 work.wait()
         return None
@@ -167,8 +172,8 @@ def publish_buckets(model, config: dict, dtype, rank: int, world: int,
     state = get_model_state_dict(model)  # sharded as trained (DTensors), clean names; nothing gathered
     if config.get("tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # it aliases the embedding; loaders re-tie it
-    blocks = _blocks_of_every_rank(model, state) if any(isinstance(t, DTensor) for t in state.values()) else {}
-    me = dist.get_rank() if blocks else rank  # the sends run over the default group's global ranks
+    routes = _routes(model, state) if any(isinstance(t, DTensor) for t in state.values()) else {}
+    me = dist.get_rank() if routes else rank  # the sends run over the default group's global ranks
     itemsize = dtype.itemsize
     plan = assign([(name, t.numel() * itemsize) for name, t in state.items()], world, bucket_bytes)
     for k in range(max(len(buckets) for buckets in plan)):
@@ -180,8 +185,8 @@ def publish_buckets(model, config: dict, dtype, rank: int, world: int,
                 t = state[name].detach().to(dtype)
                 if not isinstance(t, DTensor):
                     full = t
-                elif _tiles(blocks[name], t.shape):
-                    full = _gather_to_owner(t, owner, me, blocks[name])
+                elif routes[name] is not None:
+                    full = _gather_to_owner(t, owner, me, routes[name])
                 else:  # a layout whose blocks are not a grid: the general (all-gather) path
                     full = t.full_tensor()
                 if owner == rank:
