@@ -86,6 +86,12 @@ def _weight_files(step_dir: Path) -> list[Path]:
     return sorted(step_dir.glob("*.safetensors"))
 
 
+def _serves_part(vllm_config) -> bool:
+    """Whether this worker holds only part of the weights (a TP slice, a pipeline stage, some experts)."""
+    p = vllm_config.parallel_config
+    return p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1 or bool(getattr(p, "enable_expert_parallel", False))
+
+
 def _storage_read_bytes() -> int | None:
     """Bytes this process has caused to be read from storage so far (Linux), else None."""
     try:
@@ -137,12 +143,16 @@ class ReloadExtension:
         """Load the step's safetensors shards into the running model; returns timings and bytes read for
         the caller's metrics.
 
-        `bytes_read` is the size of the shard files the loader went through (vLLM's default loader
-        reads every shard in the index on every worker: a TP rank narrows each full tensor to its
-        slice only after reading it, so with TP > 1 each worker still reads the whole checkpoint);
-        `storage_read_bytes` is what this process fetched from storage meanwhile (/proc/self/io,
-        0 when the shards were still in the page cache)."""
+        The shards are read through memory maps (`mapped_shards.py`): vLLM's loader narrows each tensor
+        to the slice this worker serves before copying it, so a TP or EP rank reads only its slices,
+        where vLLM's own file loader reads every tensor whole on every worker. `bytes_read` is what
+        this worker's loader touched of the shards (their pages mapped in; the tensor bytes when it
+        serves the whole model; the whole files when vLLM's loader had to read them: a dtype the maps
+        do not cover); `storage_read_bytes` is what this process fetched from storage meanwhile
+        (/proc/self/io, 0 when the shards were still in the page cache)."""
         import torch
+
+        from rlctl.inference.mapped_shards import MappedShards
 
         path = Path(step_dir)
         if not (path / MARKER).exists():
@@ -150,11 +160,21 @@ class ReloadExtension:
         io_before = _storage_read_bytes()
         start = time.perf_counter()
         staged = self._rlctl_host_cache.take(str(path))
+        files = _weight_files(path)
+        shards = MappedShards(files) if staged is None else None
         with torch.inference_mode():
             if staged is not None:  # staged in host RAM by a shared pool: no file is read now
                 self.reload_weights(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
+                bytes_read = 0
+            elif shards.mappable:
+                self.reload_weights(weights_iterator=shards.tensors(), is_checkpoint_format=True)
+                # a worker serving the whole model copies every tensor: no need to count its pages
+                touched = shards.touched_bytes() if _serves_part(self.vllm_config) else None
+                bytes_read = touched if touched is not None else shards.data_bytes()
+                del shards  # the maps go with the last view of them
             else:
                 self.reload_weights(weights_path=str(path), is_checkpoint_format=True)
+                bytes_read = sum(f.stat().st_size for f in files)
             loaded = time.perf_counter()
             model = self.model_runner.get_model()
             retied = _tied(self.vllm_config.model_config.hf_config) and refresh_tied_lm_head(model)
@@ -163,8 +183,7 @@ class ReloadExtension:
         io_after = _storage_read_bytes()
         return {"step_dir": str(path), "load_s": loaded - start, "retie_s": done - loaded,
                 "total_s": done - start, "retied_lm_head": bool(retied), "repacked_moe_layers": repacked,
-                "source": "files" if staged is None else "host",
-                "bytes_read": 0 if staged is not None else sum(f.stat().st_size for f in _weight_files(path)),
+                "source": "files" if staged is None else "host", "bytes_read": bytes_read,
                 "storage_read_bytes": io_after - io_before if io_before is not None and io_after is not None else None}
 
     def rlctl_receive(self, step_dir: str, servers: int) -> dict:

@@ -128,6 +128,7 @@ def preemptions(url: str) -> float:
 def test_reload_in_flight_matches_transformers_with_new_weights(server):
     from safetensors.torch import load_file
 
+    from rlctl.inference.mapped_shards import read_header
     from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, hf_state_dict, shard_files
     from rlctl.trainer.weights import load_config
 
@@ -163,8 +164,10 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
     timing, results = asyncio.run(reload_with_requests_in_flight(64))
     print(f"\n[measure] pause→reload→resume with 64 requests in flight: {timing}")
     assert all(len(parse_samples(r)[0].token_ids) == 32 for r in results)  # none lost to the pause
-    # TP = 1: the server needs every tensor, so it reads every shard, once
-    assert timing["bytes_read_max"] == sum(f.stat().st_size for f in shard_files(step_dir))
+    # TP = 1: the server needs every tensor, so it reads every tensor's bytes, once
+    files = shard_files(step_dir)
+    assert timing["bytes_read_max"] == sum(m["data_offsets"][1] - m["data_offsets"][0]
+                                           for f in files for m in read_header(f)[0].values())
     # kept, not preempted: the frozen requests continued from their KV instead of re-prefilling it
     assert preemptions(info["url"]) == preempted
     after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)
