@@ -1,6 +1,6 @@
 """Weight sync: rlctl's publish + in-place vLLM reload vs a raw safetensors save + load of the same tensors.
 
-    python bench/bench_weight_sync.py [--size tiny|medium] [--repeats 9] [--no-reload]
+    python bench/bench_weight_sync.py [--size tiny|medium] [--repeats 9] [--no-reload] [--tp 2]
 
 publish = `FilesystemWeightStore.publish` for one rank (its bucket as a safetensors shard, fsync, index,
           rename, COMPLETE marker; a multi-rank trainer writes one share per rank in parallel);
@@ -85,7 +85,16 @@ def main(argv=None) -> int:
     p.add_argument("--pause-mode", choices=["none", "keep", "wait"], default="none",
                    help="pause the server around the reload (the orchestrator's weight watcher does not)")
     p.add_argument("--workdir", default=None, help="where to write (default: a temp dir; use the shared FS to bench it)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel workers of the server: each reads only its "
+                   "slices of the shards (on CPU its threads are bound to a share of this process's cores)")
     args = p.parse_args(argv)
+    if args.tp > 1:  # vLLM's CPU workers bind their threads to NUMA nodes, one per worker, unless told where
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < args.tp:
+            p.error(f"--tp {args.tp}: needs at least {args.tp} cores, this process has {len(cores)}")
+        share = len(cores) // args.tp
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+            ",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(args.tp)))
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -115,7 +124,7 @@ def main(argv=None) -> int:
     loop = asyncio.Runner()  # one event loop for every round: the reloader's HTTP client lives on it
     try:
         if not args.no_reload:
-            proc, info = _start_server(run, str(model_dir), work / "inference.log")
+            proc, info = _start_server(run, str(model_dir), work / "inference.log", [f"inference.tp={args.tp}"])
             from rlctl.orchestrator.weight_watcher import inference_reloader
 
             pause = None if args.pause_mode == "none" else args.pause_mode
@@ -157,7 +166,8 @@ def main(argv=None) -> int:
                            ("resume_s", "resume")):
             print(f"{'  ' + label:<45}{med([ph[key] for ph in reload_phases]) * 1e3:9.1f} ms")
         read = med([ph["bytes_read_max"] for ph in reload_phases])
-        print(f"{'  bytes read per server':<45}{read / 2**20:9.1f} MiB ({read / nbytes:.2f}x the weights)")
+        print(f"{'  bytes read per worker (the most)':<45}{read / 2**20:9.1f} MiB ({read / nbytes:.2f}x the weights, "
+              f"TP {args.tp})")
     print(f"{'rlctl publish + reload':<45}{ours * 1e3:9.1f} ms")
     raws = [("raw save + mapped load", zip(raw_save, raw_load)),
             ("raw save + load into tensors", zip(raw_save, raw_into)),
