@@ -87,7 +87,8 @@ def lm_head_tied(url: str, token: str) -> bool:
         async with InferenceClient(url, token) as c:
             return await c.collective_rpc("rlctl_lm_head_tied")
 
-    return asyncio.run(ask()) == ["True"]
+    answers = asyncio.run(ask())  # one per worker
+    return bool(answers) and all(a == "True" for a in answers)
 
 
 def max_diff(a, b) -> float:
@@ -125,27 +126,33 @@ def preemptions(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions_total"))
 
 
-def test_reload_in_flight_matches_transformers_with_new_weights(server):
+def publish_perturbed(run: RunDir) -> tuple[Path, dict]:
+    """A new policy published as `weights/step_1`: every tensor perturbed, the embedding strongly (a
+    stale tied LM head would show), written as two ranks would (two shards + the index)."""
     from safetensors.torch import load_file
 
-    from rlctl.inference.mapped_shards import read_header
     from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, hf_state_dict, shard_files
     from rlctl.trainer.weights import load_config
 
-    run, info, token, proc = server
-    before = served_prompt_logprobs(InferenceClient(info["url"], token), 0)
-    assert max_diff(before, transformers_prompt_logprobs(run.model)) < 1e-3
-
-    # New policy: every tensor perturbed, the embedding strongly — a stale tied LM head would show.
     state = load_file(str(run.model / "model.safetensors"))
     gen = torch.Generator().manual_seed(7)
     new = {k: v + (0.5 if "embed_tokens" in k else 0.05) * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    # published as two ranks would: two shards + the index, so the server loads a sharded directory
     config = load_config(run.model)
     names = sorted(hf_state_dict(new, config))
     halves = [{k: new[k].contiguous() for k in names[i::2]} for i in range(2)]
     step_dir = FilesystemWeightStore(run.weights).publish(1, config, halves)
     assert len(shard_files(step_dir)) == 2
+    return step_dir, new
+
+
+def test_reload_in_flight_matches_transformers_with_new_weights(server):
+    from rlctl.inference.mapped_shards import read_header
+    from rlctl.orchestrator.exchange.weights_fs import shard_files
+
+    run, info, token, proc = server
+    before = served_prompt_logprobs(InferenceClient(info["url"], token), 0)
+    assert max_diff(before, transformers_prompt_logprobs(run.model)) < 1e-3
+    step_dir, new = publish_perturbed(run)
     expected = transformers_prompt_logprobs(run.model, new)
     assert max_diff(expected, before) > 0.1  # the check below can tell old weights from new ones
 
@@ -173,6 +180,33 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
     after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)
     assert max_diff(after, expected) < 1e-3
     assert lm_head_tied(info["url"], token)
+
+
+def test_tensor_parallel_workers_reload_their_slices_and_serve_the_new_weights(tmp_path, monkeypatch):
+    """TP 2: each worker's loader narrows the memory-mapped shards to its slice (it reports the pages it
+    touched, here every page: the tiny model's rows are smaller than a page) and the server then
+    serves exactly the published weights, tied head included."""
+    from rlctl.orchestrator.exchange.weights_fs import shard_files
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("two TP workers need two cores")
+    # vLLM's CPU workers bind their threads to one NUMA node each unless told which cores to use
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+    run = make_run(tmp_path / "run", "inference.tp=2")
+    with served(run, tmp_path / "inference.log") as (info, proc):
+        token = run.admin_token()
+        step_dir, new = publish_perturbed(run)
+
+        async def reload():
+            async with InferenceClient(info["url"], token) as client:
+                return await reload_all([client], str(step_dir))
+
+        timing = asyncio.run(reload())
+        assert 0 < timing["bytes_read_max"] <= sum(f.stat().st_size for f in shard_files(step_dir)) + (4 << 20)
+        after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)
+        assert max_diff(after, transformers_prompt_logprobs(run.model, new)) < 1e-3
+        assert lm_head_tied(info["url"], token)
 
 
 def test_switches_between_steps_staged_in_host_ram_serve_each_steps_weights(server):
