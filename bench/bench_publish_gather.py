@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_publish_gather.py [--worlds 2,4] [--repeats 3]
 
 A 235M-parameter dense Qwen3 (random weights, fp32 master weights) is sharded with FSDP2 over a 1-D
-mesh of `world` gloo ranks (one thread each); every round drains `weights.publish_buckets` in bf16
+mesh of `world` gloo ranks (one thread each; the tests' `fsdp_random_model`); every round drains `weights.publish_buckets` in bf16
 with 32 MiB buckets (the cast and the collectives; no files) twice, alternating the order:
 owner = the publish as it runs (each rank's blocks sent point to point to the tensor's owner);
 gather = the same walk with every tensor all-gathered (`full_tensor()`, what the publish did before).
@@ -14,11 +14,11 @@ model, the owner path only the tensors it writes.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -27,6 +27,7 @@ BIG_DENSE = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidd
              "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32768, "max_position_embeddings": 256,
              "max_window_layers": 16, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
 BUCKET = 32 << 20
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:
@@ -60,26 +61,16 @@ def _received_bytes(model, rank: int, world: int, itemsize: int) -> tuple[int, i
 
 
 def _rank(rank: int, world: int, port: int, repeats: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import rlctl.trainer.weights as weights
-    from rlctl.trainer.sharded_load import build_meta_model
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = build_meta_model(BIG_DENSE)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().normal_(0, 0.02)
+    sys.path.insert(0, str(REPO / "tests"))
+    from trainer_fixtures import fsdp_random_model
+
+    model = fsdp_random_model(BIG_DENSE, rank, world, port)
+
     def drain(all_gather: bool) -> float:
         if model in weights._ROUTES:  # no route: every tensor takes the all-gather path
             weights._ROUTES[model] = {n: None for n in routes} if all_gather else routes

@@ -3,7 +3,6 @@ rank's memory grows by more than one bucket (plus the one tensor being assembled
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer_fixtures import spawn_ranks
+from trainer_fixtures import fsdp_random_model, spawn_ranks
 
 from rlctl.orchestrator.exchange.steps import MARKER
 from rlctl.orchestrator.exchange.weights_fs import (INDEX_FILE, FilesystemWeightStore, read_weights, shard_files,
@@ -94,39 +93,6 @@ def test_serving_dtype_follows_the_trainer_unless_set():
 
 
 # ---- several ranks (gloo) ---------------------------------------------------------------------------
-def _sharded_model(cfg: dict, rank: int, world: int, port: int, seed: int = 0):
-    """`cfg`'s model FSDP2-sharded over `world` gloo ranks, each rank allocating and filling only its
-    own shard (random, the same global tensors whatever the world size)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from rlctl.trainer.sharded_load import build_meta_model
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = build_meta_model(cfg)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for i, (_, p) in enumerate(sorted(model.named_parameters())):
-            local = p.to_local()
-            gen = torch.Generator().manual_seed(seed * 1000 + i)
-            full = torch.randn(p.shape, generator=gen) * 0.02 if local.numel() * world < 2**22 else None
-            if full is None:  # large: fill only the own rows (deterministic per rank, no full tensor)
-                local.normal_(0, 0.02, generator=torch.Generator().manual_seed(seed * 1000 + i * 7 + rank))
-            else:
-                rows = full.shape[0]
-                per = -(-rows // world)
-                local.copy_(full[rank * per:rank * per + local.shape[0]])
-    model.tie_weights()
-    return model
-
-
 def _publish_rank(rank, world, port, out, dtype_name, bucket_bytes, report):
     import gc
 
@@ -134,7 +100,7 @@ def _publish_rank(rank, world, port, out, dtype_name, bucket_bytes, report):
 
     from rlctl.trainer.weights import ProcessGroupRanks, publish_buckets
 
-    model = _sharded_model(TINY if report is None else BIG, rank, world, port)
+    model = fsdp_random_model(TINY if report is None else BIG, rank, world, port)
     try:
         dtype = getattr(torch, dtype_name)
         config = model.config.to_dict()

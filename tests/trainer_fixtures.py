@@ -151,3 +151,36 @@ def spawn_ranks(rank_main, world: int, *args, timeout: float = 240) -> None:
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"{world} ranks did not finish within {timeout}s")
+
+
+def fsdp_random_model(cfg: dict, rank: int, world: int, port: int, seed: int = 0):
+    """`cfg`'s model FSDP2-sharded over `world` gloo ranks, each rank allocating and filling only its
+    own shard (random, the same global tensors whatever the world size)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rlctl.trainer.sharded_load import build_meta_model
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = build_meta_model(cfg)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for i, (_, p) in enumerate(sorted(model.named_parameters())):
+            local = p.to_local()
+            gen = torch.Generator().manual_seed(seed * 1000 + i)
+            full = torch.randn(p.shape, generator=gen) * 0.02 if local.numel() * world < 2**22 else None
+            if full is None:  # large: fill only the own rows (deterministic per rank, no full tensor)
+                local.normal_(0, 0.02, generator=torch.Generator().manual_seed(seed * 1000 + i * 7 + rank))
+            else:
+                rows = full.shape[0]
+                per = -(-rows // world)
+                local.copy_(full[rank * per:rank * per + local.shape[0]])
+    model.tie_weights()
+    return model
