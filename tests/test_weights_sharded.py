@@ -55,6 +55,7 @@ def test_blocks_tile_only_as_a_grid():
     assert not _tiles([((0, 2),), ((1, 3),)], (3,))  # overlapping (a strided layout's first offsets)
     assert not _tiles([((0, 2),), ((2, 3),)], (4,))  # short of the end
     assert not _tiles([((0, 2), (0, 4)), ((2, 4), (0, 2))], (4, 4))  # not every combination
+    assert not _tiles([(), ()], (0, 4))  # an empty tensor: no blocks at all
 
 
 def test_written_safetensors_read_back_exactly(tmp_path):

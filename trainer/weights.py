@@ -116,6 +116,8 @@ def _tiles(blocks: list[Block], shape) -> bool:
     """Whether the distinct non-empty blocks partition a tensor of `shape`: along each dim their ranges
     chain from 0 to the size, and every combination of those ranges is a block (a grid)."""
     distinct = {b for b in blocks if b}
+    if not distinct:  # an empty tensor (or one nobody holds a block of): the all-gather handles it
+        return False
     grid = 1
     for dim, size in enumerate(shape):
         ranges = sorted({b[dim] for b in distinct})
