@@ -146,7 +146,7 @@ def publish_perturbed(run: RunDir) -> tuple[Path, dict]:
 
 
 def test_reload_in_flight_matches_transformers_with_new_weights(server):
-    from rlctl.inference.mapped_shards import read_header
+    from rlctl.inference.mapped_shards import MappedShards
     from rlctl.orchestrator.exchange.weights_fs import shard_files
 
     run, info, token, proc = server
@@ -172,9 +172,7 @@ def test_reload_in_flight_matches_transformers_with_new_weights(server):
     print(f"\n[measure] pause→reload→resume with 64 requests in flight: {timing}")
     assert all(len(parse_samples(r)[0].token_ids) == 32 for r in results)  # none lost to the pause
     # TP = 1: the server needs every tensor, so it reads every tensor's bytes, once
-    files = shard_files(step_dir)
-    assert timing["bytes_read_max"] == sum(m["data_offsets"][1] - m["data_offsets"][0]
-                                           for f in files for m in read_header(f)[0].values())
+    assert timing["bytes_read_max"] == MappedShards(shard_files(step_dir)).data_bytes()
     # kept, not preempted: the frozen requests continued from their KV instead of re-prefilling it
     assert preemptions(info["url"]) == preempted
     after = served_prompt_logprobs(InferenceClient(info["url"], token), 1)

@@ -245,7 +245,7 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
         # the publish path, back to the checkpoint's names: every rank writes whole tensors of its own
         # (small buckets: several shards per rank), rank 0 seals; nothing is gathered on one rank. In
-        # bf16 too: each rank casts its shard (any placement) before the gather
+        # bf16 too: each rank casts its shard (any placement) before sending it to the owner
         store = FilesystemWeightStore(Path(model_dir).parent / "published")
         group = ProcessGroupRanks()
         stored = _checkpoint_tensors(Path(model_dir)) if rank == 0 else {}
