@@ -86,15 +86,8 @@ def main(argv=None) -> int:
                    help="pause the server around the reload (the orchestrator's weight watcher does not)")
     p.add_argument("--workdir", default=None, help="where to write (default: a temp dir; use the shared FS to bench it)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel workers of the server: each reads only its "
-                   "slices of the shards (on CPU its threads are bound to a share of this process's cores)")
+                   "slices of the shards (on CPU the server binds each worker's threads to a share of its cores)")
     args = p.parse_args(argv)
-    if args.tp > 1:  # vLLM's CPU workers bind their threads to NUMA nodes, one per worker, unless told where
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < args.tp:
-            p.error(f"--tp {args.tp}: needs at least {args.tp} cores, this process has {len(cores)}")
-        share = len(cores) // args.tp
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
-            ",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(args.tp)))
 
     import torch
     from safetensors.torch import load_file, save_file

@@ -321,12 +321,26 @@ def server_env(recipe, target: Target, run_root: Path, admin_token: str, api_key
             # the engine's next message, about a core taken from the trainer beside it. With this the
             # worker runs in the engine process (the API server still talks to it over ZMQ).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM binds CPU worker i to NUMA node i's cores by default, and on a host with fewer nodes
+            # than workers the engine fails to start: give each worker a share of this task's cores.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))
         if "OMP_WAIT_POLICY" not in os.environ:
             # The engine's OpenMP threads otherwise spin between forward passes, on cores a trainer or
             # the API server needs: the generation-heavy peer bench's engine used 136 CPU-s instead of
             # 69 and the run delivered 4.4k rollout tokens/s instead of 6.3-6.6k.
             env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env
+
+
+def cpu_thread_binding(workers: int, cores: list[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each of `workers` CPU workers its own contiguous share of
+    `cores` ("0,1|2,3"); with fewer cores than workers, worker i shares core i mod the core count
+    (oversubscribed, but it starts)."""
+    if len(cores) < workers:
+        return "|".join(str(cores[i % len(cores)]) for i in range(workers))
+    share = len(cores) // workers
+    return "|".join(",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(workers))
 
 
 def format_command(cmd: list[str]) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -264,3 +265,19 @@ def test_logprobs_of_requests_naming_the_xarg_are_kept_without_token_strings(mon
     assert processor(dict(SAMPLED_LOGPROBS["vllm_xargs"])).tokenizer is None
     assert processor(None).tokenizer is tokenizer and processor({"other": 1}).tokenizer is tokenizer
     assert SAMPLED_LOGPROBS["return_tokens_as_token_ids"] and TOKEN_ID_LOGPROBS_XARG in SAMPLED_LOGPROBS["vllm_xargs"]
+
+
+def test_cpu_tensor_parallel_workers_get_a_share_of_the_cores_each_unless_the_user_says(tmp_path, monkeypatch):
+    from rlctl.inference.server import cpu_thread_binding
+
+    assert cpu_thread_binding(2, [0, 1, 2, 3]) == "0,1|2,3"
+    assert cpu_thread_binding(2, [4, 5, 6]) == "4|5"  # the odd core is left to the engine and API server
+    assert cpu_thread_binding(3, [0, 1]) == "0|1|0"  # fewer cores than workers: shared, but it starts
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1, 2, 0})
+    r = recipe()
+    assert server_env(r, "cpu", tmp_path, TOKEN, "k", tp=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_env(r, "cpu", tmp_path, TOKEN, "k", tp=1)  # vLLM's own binding
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_env(r, "gpu", tmp_path, TOKEN, "k", tp=2)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_env(r, "cpu", tmp_path, TOKEN, "k", tp=2)
