@@ -60,8 +60,8 @@ class CpuSampler(threading.Thread):
             new = {pid for pid, (ppid, _, _) in procs.items() if ppid in mine and pid not in mine}
             mine |= new
             grew = bool(new)
-        for pid in mine:
-            self.labels.setdefault(pid, _label(procs[pid][2]))
+        for pid in mine:  # relabelled every time: a child seen between fork and exec has its parent's command line
+            self.labels[pid] = _label(procs[pid][2])
         self.samples.append((time.time(), {pid: procs[pid][1] for pid in mine}))
 
     def run(self) -> None:
