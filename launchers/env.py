@@ -46,6 +46,9 @@ def component_env(*, run_dir: str, attempt: int, group: str, rank: int, local_ra
         "RLCTL_WORLD_SIZE": str(world_size),
         # index of the task on its node: servers sharing a node pick their GPUs with it
         "RLCTL_LOCAL_RANK": str(local_rank),
+        # a native crash (SIGSEGV in a kernel or a collective) then leaves every thread's Python stack in the
+        # task's log instead of an empty file and an exit code
+        "PYTHONFAULTHANDLER": "1",
     }
     host = node_addrs[node_index]
     if group == "inference":

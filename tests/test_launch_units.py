@@ -116,6 +116,7 @@ def test_trainer_env_comes_from_its_group_nodes():
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
     assert all(e["WORLD_SIZE"] == "4" and e["RLCTL_ATTEMPT"] == "1" for e in envs)
+    assert all(e["PYTHONFAULTHANDLER"] == "1" for e in envs)  # a native crash names its Python frames
 
 
 def test_rendezvous_ports_stay_between_the_servers_ports_and_the_ephemeral_range():
