@@ -3,6 +3,7 @@ and a 2-rank FSDP trainer publishes adapter-only step directories that vLLM can 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -114,6 +115,33 @@ def test_fsdp_trainer_publishes_adapter_only_steps(tmp_path):
     assert any(last[k].any() for k in b_names)
     config = json.loads((run.weights / "step_2" / ADAPTER_CONFIG).read_text())
     assert config["r"] == 8 and len(config["target_modules"]) == 7
+
+
+def _gather_rank(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rlctl.trainer.lora import gather_full
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same full tensors on every rank
+    # 5 rows over 3 ranks split 2/2/1, 2 rows 1/1/0: the uneven and the empty shard
+    model = nn.Sequential(nn.Linear(3, 5, bias=False), nn.Linear(5, 2, bias=False))
+    original = [p.detach().clone() for p in model.parameters()]
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)))
+    for _ in range(3):  # repeated, as every publish does
+        for full, p in zip(original, model.parameters()):
+            assert torch.equal(gather_full(p.detach()), full)
+    dist.destroy_process_group()
+
+
+def test_adapter_gather_rebuilds_uneven_and_empty_shards_on_every_rank():
+    from trainer_fixtures import spawn_ranks
+
+    spawn_ranks(_gather_rank, 3, timeout=120)
 
 
 def test_lora_server_serves_the_adapter_under_the_policy_name_and_only_admins_swap_it(monkeypatch):
