@@ -127,10 +127,10 @@ def _tiles(blocks: list[Block], shape) -> bool:
     return len(distinct) == grid
 
 
-def _gather_to_owner(t, owner: int, rank: int, holders: dict[Block, list[int]]):
-    """The full tensor of DTensor `t` on global rank `owner` (None elsewhere): each block sent point to
-    point by one of the ranks holding it (the owner copies a block it holds itself). Every rank receives
-    only the tensors it owns, where an all-gather would hand every rank every tensor."""
+def _gather_to_owner(t, owner: int, rank: int, holders: dict[Block, list[int]], dtype):
+    """The full tensor of DTensor `t`, in `dtype`, on global rank `owner` (None elsewhere): each block
+    sent point to point by one of the ranks holding it (the owner copies a block it holds itself). Every
+    rank receives only the tensors it owns, where an all-gather would hand every rank every tensor."""
     import torch
     import torch.distributed as dist
 
@@ -139,11 +139,11 @@ def _gather_to_owner(t, owner: int, rank: int, holders: dict[Block, list[int]]):
     # would create a two-rank communicator for every pair of ranks
     if rank != owner:
         if rank in senders.values():
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t.to_local().contiguous(), owner)]):
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t.to_local().to(dtype).contiguous(), owner)]):
                 work.wait()
         return None
     local = t.to_local()
-    full = torch.empty(t.shape, dtype=local.dtype, device=local.device)
+    full = torch.empty(t.shape, dtype=dtype, device=local.device)  # copy_ casts the block it holds
     receives = []
     for block, src in senders.items():
         view = full[tuple(slice(a, b) for a, b in block)]
@@ -182,15 +182,15 @@ def publish_buckets(model, config: dict, dtype, rank: int, world: int,
         mine = {}
         for owner, buckets in enumerate(plan):
             for name in buckets[k] if k < len(buckets) else ():
-                # cast each rank's shard before sending it: the owner receives (and holds) the tensor in
-                # the serving dtype, half the bytes of fp32 master weights
-                t = state[name].detach().to(dtype)
+                # each block is cast where it is sent from: the owner receives (and holds) the tensor in
+                # the serving dtype, half the bytes of fp32 master weights; a rank sending nothing casts nothing
+                t = state[name].detach()
                 if not isinstance(t, DTensor):
-                    full = t
+                    full = t.to(dtype) if owner == rank else None
                 elif routes[name] is not None:
-                    full = _gather_to_owner(t, owner, me, routes[name])
+                    full = _gather_to_owner(t, owner, me, routes[name], dtype)
                 else:  # a layout whose blocks are not a grid: the general (all-gather) path
-                    full = t.full_tensor()
+                    full = t.to(dtype).full_tensor()
                 if owner == rank:
                     mine[name] = full.cpu().contiguous()
                 del full, t
