@@ -3,7 +3,6 @@ and a 2-rank FSDP trainer publishes adapter-only step directories that vLLM can 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from rlctl.orchestrator.exchange.steps import complete_steps
 from rlctl.trainer.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoRALinear, adapter_state, apply_lora,
                                 init_adapters)
 from rlctl.trainer.lora_config import LoRAConfig
-from trainer_fixtures import launch_ranks, make_run, synthetic_batch, wait_all, write_batches
+from trainer_fixtures import join_gloo, launch_ranks, make_run, spawn_ranks, synthetic_batch, wait_all, write_batches
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +124,7 @@ def _gather_rank(rank: int, world: int, port: int) -> None:
 
     from rlctl.trainer.lora import gather_full
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     torch.manual_seed(0)  # the same full tensors on every rank
     # 5 rows over 3 ranks split 2/2/1, 2 rows 1/1/0: the uneven and the empty shard
     model = nn.Sequential(nn.Linear(3, 5, bias=False), nn.Linear(5, 2, bias=False))
@@ -139,8 +137,6 @@ def _gather_rank(rank: int, world: int, port: int) -> None:
 
 
 def test_adapter_gather_rebuilds_uneven_and_empty_shards_on_every_rank():
-    from trainer_fixtures import spawn_ranks
-
     spawn_ranks(_gather_rank, 3, timeout=120)
 
 

@@ -3,10 +3,9 @@ vs one rank, router replay, expert load. Tiny fp32 models built here (Qwen3-MoE 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
-from trainer_fixtures import spawn_ranks
+from trainer_fixtures import join_gloo, spawn_ranks
 import torch
 
 from rlctl.trainer.moe import (enable_grouped_experts, expert_load, grouped_linear, moe_blocks, replay_counts,
@@ -275,9 +274,7 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
     from rlctl.trainer.expert_parallel import apply_expert_parallel, clip_grad_norm_
     from rlctl.trainer.parallel import apply_fsdp, build_mesh, fsdp_mesh
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     try:
         dims = ParallelDims(world_size=world, **dims_kw).validate("cpu")
         ref = eager_model(family)

@@ -5,12 +5,11 @@ must give exactly what `from_pretrained` loads, and the same logits."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import spawn_ranks
+from trainer_fixtures import join_gloo, spawn_ranks
 import torch
 
 from rlctl.trainer.hf_names import CheckpointRead, checkpoint_reads, to_checkpoint_names
@@ -177,14 +176,6 @@ def test_fp8_checkpoint_is_refused_and_an_uncovered_buffer_is_caught(tmp_path, m
 
 
 # ---- several ranks (gloo) ---------------------------------------------------------------------------
-def _init(rank, world, port):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
 def _shard(model, layout: str, world: int):
     """`fsdp`: fully_shard per layer + root over a 1-D mesh; `hsdp`: the trainer's FSDP over a 2-D
     (dp_replicate, fsdp) mesh; `ep`: the trainer's composition (experts DTensors Shard(0) over `ep`, FSDP
@@ -226,7 +217,7 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
     from rlctl.trainer.sharded_load import build_meta_model, checkpoint_name, materialize_and_load
     from rlctl.trainer.weights import _ROUTES, ProcessGroupRanks, publish_buckets
 
-    _init(rank, world, port)
+    join_gloo(rank, world, port)
     try:
         ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model = build_meta_model(model_dir)
@@ -335,7 +326,7 @@ def _memory_rank(rank, world, port, model_dir, report):
 
     from rlctl.trainer.sharded_load import build_meta_model, materialize_and_load, owned_block
 
-    _init(rank, world, port)
+    join_gloo(rank, world, port)
     try:
         model = build_meta_model(model_dir)
         _shard(model, "fsdp", world)

@@ -153,18 +153,24 @@ def spawn_ranks(rank_main, world: int, *args, timeout: float = 240) -> None:
             pytest.fail(f"{world} ranks did not finish within {timeout}s")
 
 
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """A spawned rank joins the ranks' gloo group on `port` (one thread: the ranks share the cores)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def fsdp_random_model(cfg: dict, rank: int, world: int, port: int, seed: int = 0):
     """`cfg`'s model FSDP2-sharded over `world` gloo ranks, each rank allocating and filling only its
     own shard (random, the same global tensors whatever the world size)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from rlctl.trainer.sharded_load import build_meta_model
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     model = build_meta_model(cfg)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     for layer in model.model.layers:
