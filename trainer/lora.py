@@ -128,12 +128,12 @@ def gather_full(param) -> torch.Tensor:
 
     if not isinstance(param, DTensor):
         return param
-    sharded = [i for i, pl in enumerate(param.placements) if not pl.is_replicate()]
-    if len(sharded) != 1 or type(param.placements[sharded[0]]) is not Shard or param.placements[sharded[0]].dim != 0:
+    sharded = [(i, pl) for i, pl in enumerate(param.placements) if not pl.is_replicate()]
+    if len(sharded) != 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
         return param.full_tensor()  # a layout FSDP does not make: DTensor's own gather
     import torch.distributed as dist
 
-    group = param.device_mesh.get_group(sharded[0])
+    group = param.device_mesh.get_group(sharded[0][0])
     local, world, rows = param.to_local(), dist.get_world_size(group), param.shape[0]
     per_rank = -(-rows // world)  # torch.chunk's split: the last ranks hold fewer rows, or none
     padded = local.new_zeros((per_rank, *local.shape[1:]))
