@@ -61,7 +61,8 @@ class CpuSampler(threading.Thread):
             mine |= new
             grew = bool(new)
         for pid in mine:  # relabelled every time: a child seen between fork and exec has its parent's command line
-            self.labels[pid] = _label(procs[pid][2])
+            if procs[pid][2].strip() or pid not in self.labels:  # an exited, unreaped child's is empty: keep its label
+                self.labels[pid] = _label(procs[pid][2])
         self.samples.append((time.time(), {pid: procs[pid][1] for pid in mine}))
 
     def run(self) -> None:
