@@ -42,6 +42,8 @@ def test_assign_is_disjoint_balanced_by_bytes_and_bucketed():
         assert order == sorted(order, key=lambda n: int(n[1:]))  # a rank keeps the model's order
     assert assign(sizes, 1, 10**9) == [[[n for n, _ in sizes]]]
     assert assign([], 2, 64) == [[], []]
+    # a rank given only zero-size tensors still has a bucket to put them in
+    assert assign([("a", 8), ("empty", 0)], 2, 64) == [[["a"]], [["empty"]]]
 
 
 def test_blocks_tile_only_as_a_grid():
@@ -102,6 +104,11 @@ def _publish_rank(rank, world, port, out, dtype_name, bucket_bytes, report):
     from rlctl.trainer.weights import ProcessGroupRanks, publish_buckets
 
     model = fsdp_random_model(TINY if report is None else BIG, rank, world, port)
+    if report is None:  # a zero-size DTensor too: the owner writes it empty, nobody sends anything
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = model.model.embed_tokens.weight.device_mesh
+        model.register_parameter("empty", torch.nn.Parameter(distribute_tensor(torch.zeros(0, 4), mesh, [Shard(0)])))
     try:
         dtype = getattr(torch, dtype_name)
         config = model.config.to_dict()

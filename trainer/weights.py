@@ -68,9 +68,9 @@ def assign(sizes: list[tuple[str, int]], world: int, bucket_bytes: int) -> list[
     plan = []
     for names in owned:
         buckets: list[list[str]] = []
-        filled = bucket_bytes
+        filled = 0
         for name in sorted(names, key=order.__getitem__):
-            if filled + size_of[name] > bucket_bytes and (not buckets or buckets[-1]):
+            if not buckets or filled + size_of[name] > bucket_bytes:
                 buckets.append([])
                 filled = 0
             buckets[-1].append(name)
@@ -165,6 +165,7 @@ def publish_buckets(model, config: dict, dtype, rank: int, world: int,
     """Collective generator (every rank drains it): this rank's buckets of full checkpoint-named CPU
     tensors in `dtype`. Round k sends bucket k of every rank to its owner, so all ranks write at the
     same time. `rank`/`world` are the ranks of the plan (world 1: rank 0 owns everything)."""
+    import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
@@ -187,9 +188,11 @@ def publish_buckets(model, config: dict, dtype, rank: int, world: int,
                 t = state[name].detach()
                 if not isinstance(t, DTensor):
                     full = t.to(dtype) if owner == rank else None
+                elif t.numel() == 0:  # nothing to move: no collective (DTensor's all-gather is unsafe on gloo)
+                    full = torch.empty(t.shape, dtype=dtype) if owner == rank else None
                 elif routes[name] is not None:
                     full = _gather_to_owner(t, owner, me, routes[name], dtype)
-                else:  # a layout whose blocks are not a grid: the general (all-gather) path
+                else:  # a layout whose blocks are not a grid (FSDP, EP and HSDP make none): DTensor's all-gather
                     full = t.to(dtype).full_tensor()
                 if owner == rank:
                     mine[name] = full.cpu().contiguous()
