@@ -58,7 +58,7 @@ def list_cmd(root: Optional[Path] = typer.Option(None, "--root", help=ROOT_HELP)
         typer.echo(f"no pools under {_root(root, profile) / 'pools'}")
     for info in pools:
         runs = ", ".join((info.get("stats") or {}).get("runs", {})) or "-"
-        typer.echo(f"{info['name']:<24} {info['state']:<10} {info['mode']:<5} {info['model']}  runs: {runs}")
+        typer.echo(f"{info['name']:<24} {info['state']:<10} {info['mode']:<5} {info['model'] or '-'}  runs: {runs}")
 
 
 @user_errors
@@ -88,7 +88,10 @@ def stop_cmd(pool: str = typer.Argument(..., help="Pool name (or its directory).
     """Stop a pool's servers and front; runs still attached to it fail (their checkpoints stay)."""
     from rlctl.launchers.control import cancel_run
     from rlctl.launchers.pool import resolve_pool
+    from rlctl.recipes.errors import RecipeError
 
+    if not timeout >= 0:  # nan too
+        raise RecipeError(f"must be >= 0 seconds (got {timeout})", key="--timeout")
     typer.echo(cancel_run(resolve_pool(pool, _root(root, profile)), timeout))
 
 

@@ -29,7 +29,7 @@ def resume_cmd(
     if step is not None and source is not None:
         raise RecipeError("--step and --from exclude each other (--from names its step)", key="--step")
     if step is not None and step < 0:
-        raise RecipeError(f"--step must be >= 0 (got {step})", key="--step")
+        raise RecipeError(f"must be >= 0 (got {step})", key="--step")
     rd = RunDir(resolve_run(run))
     result, plan = resume(rd, step, Path(source) if source else None)
     if as_json:

@@ -73,7 +73,7 @@ def resolve_pool(name: str, root: Path) -> RunDir:
     from rlctl.launchers.status import RunNotFound, resolve_run
 
     try:
-        return RunDir(resolve_run(name, pools_root(root)))
+        return RunDir(resolve_run(name, pools_root(root), kind="pool"))
     except RunNotFound:
         raise RecipeError(f"no pool {name!r} under {pools_root(root)} (see `rlctl pool list`)", key="POOL") from None
 
@@ -91,10 +91,13 @@ def list_pools(root: Path) -> list[dict]:
 
 def describe_pool(pool: RunDir) -> dict:
     """State, endpoint and live statistics of a pool (what `rlctl pool show` prints)."""
-    from rlctl.launchers.status import run_state
+    from rlctl.launchers.status import load_manifest, run_state
 
     status = run_state(pool.root)
-    manifest = pool.read_manifest()
+    manifest, problem = load_manifest(pool.root)
+    if manifest is None:  # listed, not raised: one damaged pool must not hide the others
+        return {"name": pool.root.name, "pool_dir": str(pool.root), "state": "unknown", "reason": problem,
+                "mode": "-", "model": None}
     recipe = manifest.get("recipe") or {}
     try:
         endpoint = pool_endpoint(pool) if status.state == "running" else {}

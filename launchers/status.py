@@ -76,6 +76,23 @@ class RunNotFound(RecipeError, ValueError):
     """A run reference that names no run directory, or more than one (bad user input: exit 2)."""
 
 
+class BrokenRun(RecipeError, ValueError):
+    """A run directory whose run.json is not a manifest (bad user input: exit 2). Not a RunNotFound:
+    the run was found, and no lookup elsewhere (pools) should hide what is wrong with it."""
+
+
+def load_manifest(run_dir: Path | str) -> tuple[dict | None, str]:
+    """(`run_dir/run.json` as a dict, "") or (None, why not): unreadable, not JSON, not a JSON object.
+    rlctl writes it atomically, so a bad one was edited or damaged; every reader takes it for an object."""
+    try:
+        data = json.loads((Path(run_dir) / "run.json").read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, not UTF-8, a huge integer
+        return None, f"cannot read run.json: {str(e)[:100]}"
+    if not isinstance(data, dict):
+        return None, f"run.json is not a JSON object (it holds a {type(data).__name__})"
+    return data, ""
+
+
 def default_root(profile: str | None = None) -> Path:
     """Where run names are looked up: $RLCTL_OUTPUT_DIR, else the profile's shared filesystem, else
     ./runs — the order `rlctl launch` picks its output root in (after `deployment.output_dir`)."""
@@ -105,13 +122,14 @@ def _mine(path: Path) -> bool:
         return False
 
 
-def resolve_run(ref: str, root: Path | str | None = None) -> Path:
+def resolve_run(ref: str, root: Path | str | None = None, kind: str = "run") -> Path:
     """The one way every command finds a run: a run directory path; else a run name under `root`
     (default: `default_root()`); else the one run of ours named `<ref>-*` there. Never another
-    user's run by name, never a guess among several: both are one-line errors (RunNotFound)."""
+    user's run by name, never a guess among several: both are one-line errors (RunNotFound). A run found
+    whose run.json is no manifest is BrokenRun (`kind`, run or pool, names it in the message)."""
     path = Path(ref).expanduser()
     if _is_run(path):
-        return path.absolute()
+        return _usable(path, ref, kind)
     base = Path(root) if root is not None else default_root()
     hint = "pass the run directory, or a run name (see `rlctl runs`)"
     if "/" in ref or not ref or ref.startswith("."):
@@ -121,15 +139,22 @@ def resolve_run(ref: str, root: Path | str | None = None) -> Path:
         if not _mine(candidate):
             raise RunNotFound(f"run {ref!r} under {base} belongs to another user; pass its path to use it anyway")
         if _is_run(candidate):
-            return candidate.absolute()
+            return _usable(candidate, ref, kind)
     named = [d for d in list_runs(base) if d.name.startswith(f"{ref}-")]
     if len(named) == 1:
-        return named[0].absolute()
+        return _usable(named[0], ref, kind)
     if named:
         shown = ", ".join(d.name for d in named[-5:]) + (" ..." if len(named) > 5 else "")
         raise RunNotFound(f"run {ref!r} is ambiguous under {base}: {len(named)} runs match ({shown}); "
                           "pass the full run name")
     raise RunNotFound(f"run {ref!r}: no run.json at {path} or under {base}; {hint}")
+
+
+def _usable(path: Path, ref: str, kind: str) -> Path:
+    _, problem = load_manifest(path)
+    if problem:
+        raise BrokenRun(f"{kind} {ref!r}: {path} is not a {kind} directory ({problem})")
+    return path.absolute()
 
 
 def list_runs(root: Path | str) -> list[Path]:
@@ -147,10 +172,9 @@ def list_runs(root: Path | str) -> list[Path]:
 
 def run_state(run_dir: Path | str) -> RunStatus:
     run_dir = Path(run_dir)
-    try:
-        manifest = json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError) as e:
-        return RunStatus("unknown", str(run_dir), run_dir.name, "unknown", reason=f"cannot read run.json: {e}")
+    manifest, problem = load_manifest(run_dir)
+    if manifest is None:
+        return RunStatus("unknown", str(run_dir), run_dir.name, "unknown", reason=problem)
     recipe = manifest.get("recipe") or {}
     status = RunStatus(
         state="unknown",

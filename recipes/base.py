@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 AUTO = "auto"
 # Run names become directory names, Slurm job names and lines of the batch script: a safe alphabet only.
 RUN_NAME_ALLOWED = "letters, digits, '.', '_' and '-' (not starting with '.'), at most 100 characters"
-RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$", max_length=100)]
+RUN_NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$"
+RunName = Annotated[str, Field(pattern=RUN_NAME_PATTERN, max_length=100)]
 # A duration that bounds a wait: finite and > 0 (nan never times out and spins, inf never ends, 0 or
 # less fails at once). Every timeout of the recipe has this type.
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -81,5 +82,5 @@ def field_docs(model: type) -> dict[str, str]:
 
 
 __all__ = ["AUTO", "Count", "Degree", "Delay", "Fraction", "MAX_COUNT", "MAX_GPUS_PER_NODE", "MAX_NODES",
-           "MAX_TOKENS", "NodeCount", "NonNegative", "Positive", "PositiveCount", "RUN_NAME_ALLOWED", "RunName",
-           "Seconds", "StrictModel", "Tokens", "Field", "field_docs"]
+           "MAX_TOKENS", "NodeCount", "NonNegative", "Positive", "PositiveCount", "RUN_NAME_ALLOWED", "RUN_NAME_PATTERN",
+           "RunName", "Seconds", "StrictModel", "Tokens", "Field", "field_docs"]

@@ -81,8 +81,11 @@ def load_profile(ref: str) -> ClusterProfile:
 
     from rlctl.recipes.errors import format_validation_error
 
-    path = Path(ref).expanduser() if path_kind(ref) == "file" else None
+    kind = path_kind(ref)
+    path = Path(ref).expanduser() if kind == "file" else None
     if path is None:
+        if kind == "dir":
+            raise RecipeError(f"is a directory, not a cluster profile YAML file: {shown(ref)}", key="cluster.profile")
         if "/" in ref or ref.endswith((".yaml", ".yml")):
             raise RecipeError(f"cluster profile file not found: {shown(ref)}", key="cluster.profile")
         path = Path(str(resources.files("rlctl.recipes").joinpath("profiles", f"{ref}.yaml")))
@@ -94,7 +97,7 @@ def load_profile(ref: str) -> ClusterProfile:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise RecipeError(f"malformed YAML in {path}: {str(e).splitlines()[0]}") from None
+        raise RecipeError(f"malformed YAML in {path}: {_yaml_problem(e)}", key="cluster.profile") from None
     except UnicodeDecodeError:
         raise RecipeError(f"cluster profile is not UTF-8 text: {path}") from None
     except RecursionError:
@@ -104,10 +107,21 @@ def load_profile(ref: str) -> ClusterProfile:
     except OSError as e:
         raise RecipeError(f"cannot read cluster profile {path}: {e.strerror}", key="cluster.profile") from None
     if not isinstance(data, dict):
-        raise RecipeError(f"cluster profile {path} must be a YAML mapping")
+        raise RecipeError(f"cluster profile {path} must be a YAML mapping (got {type(data).__name__})",
+                          key="cluster.profile")
     data.setdefault("name", path.stem)
     try:
         return ClusterProfile.model_validate(data)
     except ValidationError as e:
         e._rlctl_model = ClusterProfile
         raise RecipeError(f"{path.name}: " + format_validation_error(e)) from None
+
+
+def _yaml_problem(err) -> str:
+    """What is wrong and where, in one line: the first line of PyYAML's message is often only its context
+    ("while parsing a flow node"), with the problem and its line on the lines after it."""
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if not problem:
+        return shown(str(err).splitlines()[0], 100)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return shown(problem, 100) + where

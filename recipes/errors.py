@@ -18,7 +18,10 @@ def format_validation_error(err, prefix: str = "") -> str:
     loc = _dotted(first.get("loc", ()))
     key = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "recipe"
     msg = first.get("msg", "invalid value")
-    if first.get("type") == "extra_forbidden":
+    kind = first.get("type")
+    if kind == "missing":  # its input is the table around it: "(got a table)" read as if one had been given
+        return f"{key}: required, but not set"
+    if kind == "extra_forbidden":
         msg = "unknown key"
         parent = _dotted(first.get("loc", ())[:-1])
         allowed = _allowed_keys(err, first.get("loc", ())[:-1])
@@ -27,8 +30,17 @@ def format_validation_error(err, prefix: str = "") -> str:
         return f"{key}: {msg}"
     if any(_is_union_tag(p) for p in first.get("loc", ())):
         msg = "invalid value; allowed: " + " or ".join(sorted({_union_member(e) for e in err.errors()}))
-    elif first.get("type") == "literal_error":
+    elif kind == "literal_error":
         msg = _only_value_doc(err, first.get("loc", ())) or msg
+    elif kind == "model_type":  # pydantic names the class (TrainerConfig); the user wrote a value, not a table
+        msg = "should be a table of settings ([section] or key = { ... } in TOML), not a single value"
+    elif kind == "value_error":  # a validator's own message, without pydantic's "Value error, " in front
+        msg = str((first.get("ctx") or {}).get("error") or msg)
+    elif kind == "string_pattern_mismatch":
+        from rlctl.recipes.base import RUN_NAME_ALLOWED, RUN_NAME_PATTERN
+
+        if (first.get("ctx") or {}).get("pattern") == RUN_NAME_PATTERN:  # not a regex to decode: what is allowed
+            msg = f"allowed: {RUN_NAME_ALLOWED}"
     value = first.get("input")
     return f"{key}: {msg} (got {'a table' if isinstance(value, dict) else _short_repr(value)})"
 

@@ -24,7 +24,8 @@ def builtin_recipe_names() -> list[str]:
 def builtin_recipe_path(name: str) -> Path:
     """Path of a built-in recipe, or a RecipeError listing the available names."""
     if "/" in name or "\\" in name or name.startswith("."):
-        raise RecipeError(f"invalid recipe name {shown(name)!r}: names may not contain path separators")
+        raise RecipeError(f"invalid recipe name {shown(name)!r}: built-in names have no path separators and do not "
+                          f"start with '.' (built-in: {', '.join(builtin_recipe_names())})")
     stem = name[:-5] if name.endswith(".toml") else name
     path = Path(str(resources.files("rlctl.recipes").joinpath(f"{stem}.toml")))
     if path_kind(path) != "file":
@@ -34,12 +35,21 @@ def builtin_recipe_path(name: str) -> Path:
 
 def resolve_recipe_path(ref: str) -> Path:
     """A file path if it exists, else a built-in recipe name."""
-    if path_kind(ref) == "file":
+    kind = path_kind(ref)
+    if kind == "file":
         return Path(ref).expanduser()
+    if kind == "dir":
+        raise RecipeError(f"recipe path is a directory, not a TOML file: {shown(ref)}")
     path = Path(ref)
-    if path.suffix == ".toml" and ("/" in ref or path.parent != Path(".")):
+    if "/" in ref:  # a path, not a name: "invalid recipe name" would send the user looking at the wrong thing
         raise RecipeError(f"recipe file not found: {shown(ref)}")
-    return builtin_recipe_path(path.name if path.suffix == ".toml" else ref)
+    if path.suffix != ".toml":
+        return builtin_recipe_path(ref)
+    try:  # `qwen3-4b.toml` is the built-in when no such file is here
+        return builtin_recipe_path(path.name)
+    except RecipeError:
+        raise RecipeError(f"recipe file not found: {shown(ref)} (nor is {path.stem!r} a built-in recipe: "
+                          f"{', '.join(builtin_recipe_names())})") from None
 
 
 def read_toml(path: Path) -> dict[str, Any]:

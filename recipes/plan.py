@@ -24,7 +24,14 @@ def compute_placement(recipe, profile=None, pool=None) -> Placement:
     profile = _profile(recipe, profile)
     if profile.gpus_per_node == 0 or cpu_groups(recipe):
         return cpu_placement(recipe, profile)
-    return plan(recipe, profile, pool=pool).placement
+    report = plan(recipe, profile, pool=pool)
+    # An error naming a trainer degree (fsdp × cp × tp not dividing the trainer's GPUs, cp with sparse
+    # attention) is certain, not an estimate: the trainer refuses it at start-up, after the job waited in the
+    # queue. Refused here, before any run directory; a memory estimate that does not fit still launches.
+    refused = next((e for e in report.errors if e.startswith(("trainer:", "trainer."))), None)
+    if refused:
+        raise RecipeError(f"{refused} (see `rlctl plan`)")
+    return report.placement
 
 
 def plan(recipe, profile=None, calibration: str | None = None, pool=None) -> PlanReport:

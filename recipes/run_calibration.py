@@ -118,7 +118,10 @@ def load_calibration(path: str | Path, key: str = "calibration") -> dict:
         what = "is a directory, not a calibration file" if kind == "dir" else "calibration file not found"
         raise RecipeError(f"{what}: {shown(str(path))}", key=key)
     path = Path(path).expanduser()
-    data = read_toml(path)
+    try:
+        data = read_toml(path)
+    except RecipeError as e:  # "malformed TOML in ...": named by where the path came from, as the errors below
+        raise RecipeError(str(e), key=key) from None
     constants = data.get("constants")
     if not isinstance(constants, dict):
         raise RecipeError(f"{path} has no [constants] table", key=key)

@@ -1,0 +1,139 @@
+"""A user's sweep of bad input through the CLI: each case is one line naming what is wrong, exit code 2,
+no traceback, nothing written. (test_bad_input.py holds the recipe and profile values.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rlctl.cli.main import app
+
+runner = CliRunner()
+
+
+def _one_line_2(args, *expect: str) -> str:
+    r = runner.invoke(app, args)
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert all(e in lines[0] for e in expect), lines[0]
+    return lines[0]
+
+
+# ---- a directory whose run.json is not a manifest ------------------------------------------------
+BROKEN = {"garbage": ("garbage{", "cannot read run.json"), "list": ("[1, 2]", "not a JSON object")}
+
+
+@pytest.fixture(params=sorted(BROKEN))
+def broken(request, tmp_path, monkeypatch):
+    """(output root, run name, expected words): a run under the root whose run.json every reader used to
+    take for an object (a list was an AttributeError, garbage a JSONDecodeError)."""
+    root = tmp_path / "runs"
+    text, words = BROKEN[request.param]
+    (root / "r-1").mkdir(parents=True)
+    (root / "r-1" / "run.json").write_text(text)
+    (root / "ok-1").mkdir()
+    (root / "ok-1" / "run.json").write_text(json.dumps({"name": "ok-1", "scheduler": "local", "attempt": 1}))
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(root))
+    return root, "r-1", words
+
+
+@pytest.mark.parametrize("argv", [["monitor", "{}", "--once"], ["monitor", "{}", "--json"], ["logs", "{}"],
+                                  ["resume", "{}"], ["cancel", "{}"],
+                                  ["launch", "tiny-cpu", "--dry-run", "--name", "{}", "--resume"]])
+def test_commands_on_a_broken_manifest_are_one_line(broken, argv):
+    root, name, words = broken
+    before = (root / name / "run.json").read_text()
+    _one_line_2([a.replace("{}", name) for a in argv], f"run {name!r}", "is not a run directory", words)
+    assert sorted(p.name for p in (root / name).iterdir()) == ["run.json"]  # nothing written, nothing lost
+    assert (root / name / "run.json").read_text() == before
+
+
+def test_runs_lists_a_broken_manifest_beside_the_others(broken):
+    root, name, words = broken
+    r = runner.invoke(app, ["runs", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["name"]: row for row in json.loads(r.output)}
+    assert set(rows) == {name, "ok-1"} and rows[name]["state"] == "unknown" and words in rows[name]["reason"]
+    r = runner.invoke(app, ["runs"])
+    assert r.exit_code == 0 and name in r.output and "ok-1" in r.output, r.output
+
+
+def test_pools_with_a_broken_manifest(broken):
+    root, _, words = broken
+    (root / "pools" / "p").mkdir(parents=True)
+    (root / "pools" / "p" / "run.json").write_text("[1]")
+    r = runner.invoke(app, ["pool", "list", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)[0]["state"] == "unknown", r.output
+    assert runner.invoke(app, ["pool", "list"]).exit_code == 0
+    for argv in (["pool", "show", "p"], ["pool", "stop", "p"], ["monitor", "p", "--once"]):
+        _one_line_2(argv, "pool 'p'", "is not a pool directory")
+
+
+# ---- options with a range ----------------------------------------------------------------------
+@pytest.mark.parametrize("argv,expect", [
+    (["resume", "nope", "--step", "-1"], "--step: must be >= 0"),
+    (["logs", "nope", "--attempt", "-1"], "--attempt: must be >= 0"),
+    (["cancel", "nope", "--timeout", "nan"], "--timeout: must be >= 0"),
+    (["pool", "stop", "nope", "--timeout", "-1"], "--timeout: must be >= 0"),
+])
+def test_option_ranges(argv, expect, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
+    _one_line_2(argv, expect)
+
+
+# ---- recipe and profile paths ------------------------------------------------------------------
+def test_recipe_paths_say_what_is_wrong_with_the_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    _one_line_2(["plan", "sub"], "recipe path is a directory")
+    _one_line_2(["plan", "sub/mine"], "recipe file not found: sub/mine")  # was "invalid recipe name"
+    line = _one_line_2(["plan", "mine.toml"], "recipe file not found: mine.toml", "'mine' a built-in")
+    assert "tiny-cpu" in line
+    assert runner.invoke(app, ["plan", "tiny-cpu.toml", "--json"]).exit_code == 0  # the built-in, as before
+
+
+def test_profile_paths_and_malformed_yaml(tmp_path):
+    _one_line_2(["plan", "tiny-cpu", "-c", str(tmp_path)], "cluster.profile:", "is a directory")
+    bad = tmp_path / "p.yaml"
+    bad.write_text("nodes: [1,\n")
+    # PyYAML's first line is its context ("while parsing a flow node"); the problem and the line follow it
+    _one_line_2(["plan", "tiny-cpu", "-c", str(bad)], "cluster.profile: malformed YAML", "line 2")
+    bad.write_text("- a\n- b\n")
+    _one_line_2(["plan", "tiny-cpu", "-c", str(bad)], "cluster.profile:", "YAML mapping", "list")
+
+
+def test_a_malformed_calibration_file_names_the_option(tmp_path):
+    cal = tmp_path / "c.toml"
+    cal.write_text("garbage [[\n")
+    _one_line_2(["plan", "tiny-cpu", "--calibration", str(cal)], "--calibration: malformed TOML")
+
+
+# ---- pydantic's wording, said in the recipe's terms --------------------------------------------
+@pytest.mark.parametrize("override,expect", [
+    ("trainer=3", "trainer: should be a table"),            # was "instance of TrainerConfig"
+    ("trainer.optimizer=[1]", "trainer.optimizer: should be a table"),
+    ("model.name=", "model.name: model.name must not be empty"),  # without "Value error, "
+    ("name='x y'", "name: allowed: letters, digits"),        # not the regex
+])
+def test_messages_in_the_recipes_terms(override, expect):
+    line = _one_line_2(["plan", "tiny-cpu", "-o", override], expect)
+    assert "Config" not in line and "Value error" not in line and "^[" not in line
+
+
+def test_a_missing_section_is_not_said_to_be_a_table(tmp_path):
+    empty = tmp_path / "r.toml"
+    empty.write_text("")
+    line = _one_line_2(["plan", str(empty)], "model: required")
+    assert "got a table" not in line
+
+
+# ---- degrees the trainer would refuse are refused before a run directory -----------------------
+@pytest.mark.parametrize("recipe,override,key", [("qwen3-4b", "trainer.fsdp=7", "trainer.fsdp:"),
+                                                 ("glm5-swe", "trainer.cp=2", "trainer.cp:")])
+def test_launch_refuses_degrees_the_trainer_cannot_run(recipe, override, key, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
+    _one_line_2(["launch", recipe, "--dry-run", "-o", override], key)
+    assert not any(tmp_path.iterdir())
+    r = runner.invoke(app, ["plan", recipe, "-o", override, "--json"])  # plan still reports it, with its figures
+    assert r.exit_code == 0 and any(e.startswith(key) for e in json.loads(r.output)["errors"]), r.output
