@@ -8,6 +8,9 @@ import time
 from pathlib import Path
 
 ENDED = ("completed", "failed", "cancelled", "lost")
+# run.json is replaced atomically and never removed while a run exists: missing this long, the run
+# directory was deleted or moved, and nothing is left to follow (the wait would never end)
+GONE_S = 10.0
 
 
 def snapshot(run_dir: Path, with_errors: bool = True) -> tuple[dict, list[dict]]:
@@ -55,13 +58,21 @@ def follow(run_dir: Path, quiet: bool = False, interval: float = 1.0, timeout: f
 
     deadline = None if timeout is None else time.monotonic() + timeout
     lines = _Lines(quiet)
-    components = None
+    components = gone_since = None
     while True:
         try:
             summary, _ = snapshot(run_dir, with_errors=False)
         except (OSError, ValueError):
             time.sleep(interval)  # a file replaced right now; the next poll reads it whole
             continue
+        if summary["state"] == "unknown" and not (Path(run_dir) / "run.json").exists():
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since >= GONE_S:
+                lines.end()
+                summary["state"], summary["reason"] = "lost", f"{run_dir}/run.json is gone: the run directory was deleted or moved"
+                return summary
+        else:
+            gone_since = None
         states = "  ".join(f"{c['name']}={c['state']}" for c in summary["components"])
         if states and states != components:
             lines.show(time.strftime("%H:%M:%S ") + states, keep=True)

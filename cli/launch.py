@@ -28,7 +28,10 @@ def _print_summary(result, rows: list[dict]) -> None:
     typer.echo(f"run dir:  {result.run.root}")
     typer.echo(f"trainer degrees: {describe_degrees(result.extra.get('trainer_degrees'))}")
     if result.dry_run:
-        if result.script:
+        rewind = result.extra.get("rewind")
+        if rewind is not None:  # a resume's dry run writes nothing (launchers.launch.start_attempt)
+            typer.echo(f"dry run, nothing written or started; attempt {result.attempt}: {rewind.describe()}")
+        elif result.script:
             typer.echo(f"sbatch script (not submitted): {result.script}")
         else:
             typer.echo("dry run: configs written, nothing started")
@@ -115,6 +118,8 @@ def follow_run(result, as_json: bool) -> int:
             from rlctl.launchers.run_summary import stall_message
 
             typer.echo(f"run {final['name']} {stall_message(final)} (still running; `rlctl cancel` stops it)")
+        if rc != 0 and final["state"] == "lost" and final.get("reason"):
+            typer.echo(f"run {final['name']} lost: {final['reason']}")
         if rc != 0 and final.get("errors"):  # what failed, without opening the logs
             typer.echo("last errors in the logs:\n" + "\n".join(f"  {e['file']}: {e['line']}" for e in final["errors"]))
         typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc}); logs: {result.run.logs / 'latest'}")
@@ -127,7 +132,10 @@ def cancel_cmd(run: str = typer.Argument(..., help="Run directory or run name.")
     from rlctl.launchers.control import cancel_run
     from rlctl.launchers.status import resolve_run
     from rlctl.orchestrator.exchange.layout import RunDir
+    from rlctl.recipes.errors import RecipeError
 
+    if not timeout >= 0:  # nan too
+        raise RecipeError(f"must be >= 0 seconds (got {timeout})", key="--timeout")
     msg = cancel_run(RunDir(resolve_run(run)), timeout)
     typer.echo(msg)
 
@@ -140,11 +148,15 @@ def logs_cmd(run: str = typer.Argument(..., help="Run directory or run name."),
     from rlctl.launchers.control import follow_logs, log_files, run_active
     from rlctl.launchers.status import resolve_run
     from rlctl.orchestrator.exchange.layout import RunDir
+    from rlctl.recipes.errors import RecipeError
 
+    if attempt is not None and attempt < 0:
+        raise RecipeError(f"must be >= 0 (got {attempt})", key="--attempt")
     rd = RunDir(resolve_run(run))
     files = log_files(rd, group, attempt)
     if not files:
-        fail(f"no logs yet for {group or 'any group'} in {rd.root}/logs")
+        where = f"{rd.root}/logs" + (f" (attempt {attempt})" if attempt is not None else "")
+        fail(f"no logs yet for {group or 'any group'} in {where}")
     if not follow:
         for path in files:
             typer.echo(f"==> {path.relative_to(rd.root)} <==")

@@ -20,7 +20,7 @@ def _exit_code(state: str) -> int:
 def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> tuple[Path, bool]:
     """(directory, is it a pool): a run by path or name, else a pool by name (`rlctl pool list`)."""
     from rlctl.launchers.pool import is_pool, resolve_pool
-    from rlctl.launchers.status import RunNotFound, default_root, resolve_run
+    from rlctl.launchers.status import BrokenRun, RunNotFound, default_root, resolve_run
     from rlctl.recipes.errors import RecipeError
 
     base = root if root is not None else default_root(profile)
@@ -30,6 +30,8 @@ def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> tuple[Pa
     except RunNotFound as e:
         try:
             return resolve_pool(run, base).root, True
+        except BrokenRun:
+            raise
         except RecipeError:
             fail(f"{e} (nor is it a pool: `rlctl pool list`)")
 
@@ -206,6 +208,8 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(summary)
         if wait:
+            if summary["state"] == "lost" and summary.get("reason"):
+                typer.echo(f"{summary['name']}: lost: {summary['reason']}", err=True)
             if summary["stalled"]:
                 from rlctl.launchers.run_summary import stall_message
 

@@ -247,13 +247,17 @@ def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = Fa
     it; locally right before the supervisor is spawned. A refused submission changes nothing of an
     earlier attempt. `extra_env` reaches every task; `history` goes into this attempt's record."""
     recipe, profile, placement, groups = loaded
+    name = run.root.name
+    result = LaunchResult(run, name, profile.scheduler, attempt, groups, dry_run=dry_run)
+    result.extra["trainer_degrees"] = placement.trainer_degrees  # the plan's, the trainer builds its mesh from them
+    if dry_run and previous is not None:
+        # a dry run of a resume is checked (recipe, placement, step) and shown, and leaves the run as it
+        # was: writing its configs and manifest would make an attempt that never ran the run's latest
+        return result
     run.create()
     run.admin_token(create=True)
     run.api_key(create=True)  # the only key sent through the router (opens /v1 on the servers)
     private_dir(run.attempt_logs(attempt))
-    name = run.root.name
-    result = LaunchResult(run, name, profile.scheduler, attempt, groups, dry_run=dry_run)
-    result.extra["trainer_degrees"] = placement.trainer_degrees  # the plan's, the trainer builds its mesh from them
     info = manifest(run, name, profile.scheduler, attempt, recipe, placement, groups, refs, previous=previous)
 
     def commit(rewind: bool = True) -> None:  # from here on the run is the new attempt's

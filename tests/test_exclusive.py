@@ -337,6 +337,7 @@ def test_launch_resume_goes_through_the_checks_of_resume(tmp_path):
         assert again.returncode == 2 and "is still" in one_line(again.stderr)
         assert supervisor_pid(run) == pid and [a["attempt"] for a in manifest(run)["attempts"]] == [0, 1]
         assert "restarting from step 0" in first.stdout  # rewound like `rlctl resume`
+        assert (run / "configs" / "recipe.toml").read_text().count("[deployment.smoke]") == 1  # composed once
     finally:
         rlctl("cancel", str(run))
 

@@ -344,14 +344,15 @@ def test_shutdown_errors_after_a_completed_run_are_not_its_errors(cli, finished)
 
 
 def test_a_new_attempt_clears_announcements_and_heartbeats(tmp_path):
-    from rlctl.launchers.launch import launch
-    from rlctl.launchers.resume import resume
+    from rlctl.launchers.launch import launch, load_for_launch, start_attempt
 
     first = launch(["smoke"], [f"deployment.output_dir={tmp_path}"], cluster="local", name="again", dry_run=True)
     run = first.run
     atomic_write_json(run.services / "inference" / "0.json", {"url": "http://127.0.0.1:1"})
     atomic_write_json(run.heartbeats / "trainer.json", {"component": "trainer"})
-    resume(run, dry_run=True)
+    # attempt 1 written as a start writes it, without spawning (a resume's own dry run writes nothing)
+    refs = [str(run.recipe_toml)]
+    start_attempt(run, load_for_launch(refs, [], "local"), refs, 1, dry_run=True)
     assert run.announced("inference") == [] and not list(run.heartbeats.glob("*.json"))
 
 

@@ -181,3 +181,20 @@ def test_resume_refuses_a_running_run_and_bad_input(tmp_path):
         sleeper.wait()
     out = subprocess.run([*RLCTL, "resume", str(run.root), "--step", "3", "--from", "x"], capture_output=True, text=True)
     assert out.returncode == 2 and "exclude each other" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_dry_run_of_a_resume_leaves_the_run_as_it_was(tmp_path):
+    launch = [*RLCTL, "launch", str(REPO / "recipes" / "tiny-cpu.toml"), "--dry-run", "--name", "dr",
+              "-o", f"deployment.output_dir={tmp_path}"]
+    assert subprocess.run(launch, capture_output=True, text=True, timeout=60).returncode == 0
+    run = tmp_path / "dr"
+
+    def files() -> dict:
+        return {str(p.relative_to(run)): p.read_bytes() if p.is_file() else None for p in sorted(run.rglob("*"))}
+
+    before = files()
+    out = subprocess.run([*launch, "--resume", "-o", "trainer.optimizer.lr=1e-3"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "nothing written or started; attempt 1: no complete checkpoint" in out.stdout, out.stdout
+    assert files() == before  # not the manifest, the configs, nor a log folder of an attempt that never ran

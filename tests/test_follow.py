@@ -1,0 +1,45 @@
+"""The follow loop of `launch --wait` / `monitor --wait` ends when there is nothing left to follow."""
+import json
+import shutil
+
+from typer.testing import CliRunner
+
+from rlctl.cli import follow as follow_module
+from rlctl.cli.main import app
+
+
+def _pending_run(tmp_path):
+    run = tmp_path / "r-1"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"name": "r-1", "scheduler": "local", "attempt": 1}))
+    return run
+
+
+def test_a_deleted_run_directory_ends_the_wait_as_lost(tmp_path, monkeypatch):
+    monkeypatch.setattr(follow_module, "GONE_S", 0.3)
+    run = _pending_run(tmp_path)
+    shutil.rmtree(run)  # deleted while followed: the state is unknown from then on, and would stay so
+    summary = follow_module.follow(run, quiet=True, interval=0.05, timeout=30)
+    assert summary["state"] == "lost" and "run.json is gone" in summary["reason"]
+    assert not summary.get("timed_out")
+    assert follow_module.exit_code(summary) == 1
+
+
+def test_a_run_that_keeps_its_manifest_is_followed_until_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(follow_module, "GONE_S", 0.1)
+    summary = follow_module.follow(_pending_run(tmp_path), quiet=True, interval=0.05, timeout=0.5)
+    assert summary.get("timed_out") and summary["state"] != "lost"
+
+
+def test_monitor_wait_names_why_the_run_is_lost(tmp_path, monkeypatch):
+    monkeypatch.setattr(follow_module, "GONE_S", 0.2)
+    run = _pending_run(tmp_path)
+
+    def vanish(*args, **kwargs):  # deleted after the command found it
+        shutil.rmtree(run, ignore_errors=True)
+        return real(*args, **kwargs)
+
+    real = follow_module.snapshot
+    monkeypatch.setattr(follow_module, "snapshot", vanish)
+    r = CliRunner().invoke(app, ["monitor", str(run), "--wait", "--interval", "0.05", "--timeout", "30"])
+    assert r.exit_code == 1 and "lost" in r.output and "run.json is gone" in r.output, r.output
