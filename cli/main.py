@@ -40,6 +40,20 @@ for _name in COMMAND_MODULES:
     importlib.import_module(f"rlctl.cli.{_name}").register(app)
 
 
+def _usage_error_in_one_line(self, file=None) -> None:
+    """Bad input is one line in rlctl (`rlctl: error: ...`, exit 2); click's own usage errors (a missing
+    argument, an option that does not parse, an unknown command) printed four: usage, hint, blank, error."""
+    where = self.ctx.command_path if self.ctx is not None else "rlctl"
+    typer.echo(f"rlctl: error: {self.format_message().rstrip('.')} (see `{where} --help`)", err=True)
+
+
+try:  # typer >= 0.2x parses with a click of its own
+    from typer._click.exceptions import UsageError as _UsageError
+except ImportError:
+    from click.exceptions import UsageError as _UsageError
+_UsageError.show = _usage_error_in_one_line  # rlctl's process only: the CLI is its entry point
+
+
 def main() -> None:
     app()
 

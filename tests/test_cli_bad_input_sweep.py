@@ -137,3 +137,14 @@ def test_launch_refuses_degrees_the_trainer_cannot_run(recipe, override, key, tm
     assert not any(tmp_path.iterdir())
     r = runner.invoke(app, ["plan", recipe, "-o", override, "--json"])  # plan still reports it, with its figures
     assert r.exit_code == 0 and any(e.startswith(key) for e in json.loads(r.output)["errors"]), r.output
+
+
+# ---- click's own usage errors (missing argument, unparsable or unknown option, unknown command) -----
+@pytest.mark.parametrize("argv,expect", [
+    (["plan"], "Missing argument 'recipe' (see `rlctl plan --help`)"),
+    (["resume", "x", "--step", "abc"], "Invalid value for '--step'"),
+    (["plan", "tiny-cpu", "--bogus"], "No such option: --bogus"),
+    (["bogus"], "No such command 'bogus'"),
+])
+def test_usage_errors_are_one_line_too(argv, expect):
+    assert _one_line_2(argv, expect).startswith("rlctl: error: ")
