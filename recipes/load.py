@@ -38,9 +38,10 @@ def resolve_recipe_path(ref: str) -> Path:
     kind = path_kind(ref)
     if kind == "file":
         return Path(ref).expanduser()
-    if kind == "dir":
-        raise RecipeError(f"recipe path is a directory, not a TOML file: {shown(ref)}")
     path = Path(ref)
+    # a folder here named like a built-in (`smoke/`) does not hide the built-in `smoke`
+    if kind == "dir" and ("/" in ref or path.stem not in builtin_recipe_names()):
+        raise RecipeError(f"recipe path is a directory, not a TOML file: {shown(ref)}")
     if "/" in ref:  # a path, not a name: "invalid recipe name" would send the user looking at the wrong thing
         raise RecipeError(f"recipe file not found: {shown(ref)}")
     if path.suffix != ".toml":

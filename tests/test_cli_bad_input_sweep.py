@@ -91,6 +91,9 @@ def test_recipe_paths_say_what_is_wrong_with_the_path(tmp_path, monkeypatch):
     line = _one_line_2(["plan", "mine.toml"], "recipe file not found: mine.toml", "'mine' a built-in")
     assert "tiny-cpu" in line
     assert runner.invoke(app, ["plan", "tiny-cpu.toml", "--json"]).exit_code == 0  # the built-in, as before
+    (tmp_path / "smoke").mkdir()  # a folder named like a built-in does not hide it
+    assert runner.invoke(app, ["plan", "smoke", "--json"]).exit_code == 0
+    _one_line_2(["plan", "smoke/"], "recipe path is a directory")
 
 
 def test_profile_paths_and_malformed_yaml(tmp_path):
