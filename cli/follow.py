@@ -90,9 +90,16 @@ def follow(run_dir: Path, quiet: bool = False, interval: float = 1.0, timeout: f
 
 
 def exit_code(summary: dict) -> int:
-    """0 for a completed run; the local supervisor's own code when it failed with one; 1 otherwise
-    (failed, cancelled, lost, stalled)."""
+    """0 for a completed run, 1 otherwise (failed, cancelled, lost, stalled), as `monitor --wait`: a
+    component's own code (143 after a cancel, 137 after a kill, 2 or 3) would read as the CLI's own
+    (killed, bad input, `--timeout`). `verdict` names the launcher's code."""
+    return 0 if summary["state"] == "completed" and not summary["stalled"] else 1
+
+
+def verdict(summary: dict) -> str:
+    """`finished`, or the state in capitals with the launcher's exit code when it had one."""
     if summary["state"] == "completed" and not summary["stalled"]:
-        return 0
+        return "finished"
+    word = {"cancelled": "CANCELLED", "lost": "LOST"}.get(summary["state"], "FAILED")
     code = summary.get("exit_code")
-    return code if isinstance(code, int) and code > 0 and not summary["stalled"] else 1
+    return word + (f", launcher exit code {code}" if isinstance(code, int) and code != 0 else "")

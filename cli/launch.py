@@ -106,7 +106,7 @@ def launch_cmd(
 def follow_run(result, as_json: bool) -> int:
     """--wait of `launch` and `resume`: follow the started attempt with progress until it ends (or a
     component stalls); its exit code."""
-    from rlctl.cli.follow import exit_code, follow
+    from rlctl.cli.follow import exit_code, follow, verdict
 
     final = follow(result.run.root, quiet=as_json, interval=2.0 if result.job_id else 0.5)
     rc = exit_code(final)
@@ -122,7 +122,7 @@ def follow_run(result, as_json: bool) -> int:
             typer.echo(f"run {final['name']} lost: {final['reason']}")
         if rc != 0 and final.get("errors"):  # what failed, without opening the logs
             typer.echo("last errors in the logs:\n" + "\n".join(f"  {e['file']}: {e['line']}" for e in final["errors"]))
-        typer.echo(f"run {'finished' if rc == 0 else 'FAILED'} (exit code {rc}); logs: {result.run.logs / 'latest'}")
+        typer.echo(f"run {verdict(final)} (exit code {rc}); logs: {result.run.logs / 'latest'}")
     return rc
 
 

@@ -50,7 +50,7 @@ class RunStatus:
     name: str
     scheduler: str
     job_id: str | None = None
-    attempt: int = 1
+    attempt: int = 0
     max_steps: int | None = None
     reason: str = ""
     components: list[ComponentStatus] = field(default_factory=list)
@@ -182,7 +182,7 @@ def run_state(run_dir: Path | str) -> RunStatus:
         name=manifest.get("name") or run_dir.name,
         scheduler=manifest.get("scheduler", "local"),
         job_id=manifest.get("job_id"),
-        attempt=int(manifest.get("attempt") or 1),
+        attempt=int(manifest.get("attempt") or 0),  # the first attempt is 0 (logs/attempt_0)
         max_steps=(recipe.get("orchestrator") or {}).get("max_steps"),
         plan=manifest.get("plan") or {},
         done=(run_dir / "DONE").exists(),

@@ -379,3 +379,11 @@ def test_monitor_shows_plan_beside_measured_for_a_cpu_run(tmp_path, cli):
     out = cli("monitor", run, "--once")
     row = next(line for line in out.output.splitlines() if "trainer step" in line)
     assert f"{predicted['trainer_step_time_s']:.3g}" in row
+
+
+def test_the_first_attempt_is_attempt_0(tmp_path):
+    """launch starts attempt 0 (logs/attempt_0); monitor and `rlctl runs` said 1, and read errors from attempt_1."""
+    from rlctl.launchers.status import run_state
+
+    atomic_write_json(tmp_path / "run.json", {"name": "r", "scheduler": "local", "attempt": 0})
+    assert run_state(tmp_path).attempt == 0
