@@ -170,6 +170,20 @@ def refuse_if_active(run: RunDir) -> None:
                           "not resuming")
 
 
+def refuse_if_finished(run: RunDir, previous: dict, max_steps: int) -> None:
+    """A run that finished (DONE) is resumed only to train further (a larger `orchestrator.max_steps`)
+    or from a checkpoint named with --step / --from: else the rewind would delete its final weights and
+    train its last steps again for nothing."""
+    if not run.done.exists():
+        return
+    trained = ((previous.get("recipe") or {}).get("orchestrator") or {}).get("max_steps")
+    if isinstance(trained, int) and max_steps > trained:
+        return
+    raise RecipeError(f"run {run.root.name} already finished its {trained} steps ({run.done.name} exists): nothing to "
+                      f"resume. To train further: `rlctl launch RECIPE --name {run.root.name} --resume -o "
+                      "orchestrator.max_steps=N`; to train again from a checkpoint: `rlctl resume RUN --step K`")
+
+
 def resume(run: RunDir, step: int | None = None, source: Path | None = None, *, refs=None, overrides=(),
            cluster: str | None = None, dry_run: bool = False, command: str | None = None):
     """The next attempt of `run`, under its lock: refuse an active run, validate everything (recipe,
@@ -187,6 +201,8 @@ def resume(run: RunDir, step: int | None = None, source: Path | None = None, *, 
         previous = run.read_manifest()
         refs = list(refs) if refs else [str(run.recipe_toml)]
         loaded = load_for_launch(refs, overrides, cluster)
+        if step is None and source is None:
+            refuse_if_finished(run, previous, loaded[0].orchestrator.max_steps)
         check_submitter(loaded[1], dry_run)
         staged = other_run = None
         try:

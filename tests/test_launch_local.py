@@ -144,6 +144,11 @@ def test_tasks_do_not_outlive_a_killed_supervisor(tmp_path):
 def test_resume_wait_follows_the_new_attempt_to_its_end(tmp_path):
     first, run = launch(tmp_path, "--wait")
     assert first.returncode == 0, first.stderr
+    before = (run / "run.json").read_text()
+    finished = rlctl("resume", str(run), "--wait")  # nothing left to train: refused, the run left as it was
+    assert finished.returncode == 2 and "already finished" in finished.stderr, finished.stderr
+    assert (run / "run.json").read_text() == before and (run / "DONE").exists()
+    (run / "DONE").unlink()  # as a run preempted after its last step has none
     again = rlctl("resume", str(run), "--wait")
     assert again.returncode == 0 and "run finished (exit code 0)" in again.stdout, (again.stdout, again.stderr)
     assert json.loads((run / "run.json").read_text())["attempt"] == 1

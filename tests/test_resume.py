@@ -198,3 +198,15 @@ def test_a_dry_run_of_a_resume_leaves_the_run_as_it_was(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "nothing written or started; attempt 1: no complete checkpoint" in out.stdout, out.stdout
     assert files() == before  # not the manifest, the configs, nor a log folder of an attempt that never ran
+
+
+def test_a_finished_run_is_resumed_only_to_train_further(tmp_path):
+    from rlctl.launchers.resume import refuse_if_finished
+
+    run = make_history(tmp_path)  # has DONE
+    previous = {"recipe": {"orchestrator": {"max_steps": 8}}}
+    with pytest.raises(RecipeError, match="already finished its 8 steps.*orchestrator.max_steps=N"):
+        refuse_if_finished(run, previous, 8)
+    refuse_if_finished(run, previous, 12)  # more steps: continues from the newest checkpoint
+    run.done.unlink()
+    refuse_if_finished(run, previous, 8)  # preempted after its last step: nothing finished
