@@ -29,8 +29,9 @@ class OrchestratorConfig(StrictModel):
     """Reward function override, and the process pool that contains slow, raising or memory-hungry rewards."""
     rollouts_per_step: Annotated[int, Field(ge=1, le=1 << 20)] = 256
     """Rollouts (completions) in one training batch."""
-    group_size: Annotated[int, Field(ge=1, le=1 << 16)] = 16
-    """Completions sampled per prompt; advantages are relative to the group mean."""
+    group_size: Annotated[int, Field(ge=2, le=1 << 16)] = 16
+    """Completions sampled per prompt; advantages are relative to the group mean, so a group of one
+    has advantage 0 and teaches nothing: at least 2."""
     max_tokens: Tokens = 1024
     """Maximum generated tokens per rollout (per turn for multi-turn environments)."""
     max_turns: Annotated[int, Field(ge=1, le=1 << 16)] = 1
