@@ -165,7 +165,10 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
 
         counters = {k: base_counters.get(k, 0) + v for k, v in state["counters"].items()}
         save_orchestrator_state(run.checkpoints, step + 1, {**state, "counters": counters})
-        prune_progress(run.checkpoints, newest_complete(run.checkpoints) or 0)
+        # the trainer's next checkpoint (periodic or on preemption) is at a step it has not trained yet,
+        # so never below the version the servers serve: older parts without a trainer part are dead (with
+        # checkpoint.interval = 0 they piled up, one per step)
+        prune_progress(run.checkpoints, max(newest_complete(run.checkpoints) or 0, policy.version))
 
     from rlctl.orchestrator.monitoring import OrchestratorMonitor
 
