@@ -3,7 +3,9 @@
 stalled (heartbeats, `monitoring.stall_timeout_s`) or the timeout passed."""
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +89,35 @@ def follow(run_dir: Path, quiet: bool = False, interval: float = 1.0, timeout: f
             summary["timed_out"] = True
             return summary
         time.sleep(interval)
+
+
+class Detached(Exception):
+    """Following stopped by Ctrl-C or SIGTERM; the run itself goes on. `code` is the exit code (130, 143)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def follow_or_detach(run_dir: Path, name: str, **kwargs) -> dict:
+    """`follow`, where Ctrl-C or SIGTERM (a CI job's timeout) stops the following only: one line says
+    that the run keeps running and how to reach it, then Detached. A `launch --wait` that simply
+    died left a run using the machine with nothing said about it."""
+    def on_term(signum, frame):
+        raise Detached(128 + signal.SIGTERM)
+
+    main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+    previous = signal.signal(signal.SIGTERM, on_term) if main else None
+    try:
+        return follow(run_dir, **kwargs)
+    except (KeyboardInterrupt, Detached) as e:
+        code = e.code if isinstance(e, Detached) else 130
+        sys.stderr.write(f"\nrlctl: stopped following; run {name} keeps running "
+                         f"(`rlctl monitor {name}`, `rlctl cancel {name}`)\n")
+        raise Detached(code) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def exit_code(summary: dict) -> int:

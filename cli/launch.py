@@ -106,9 +106,12 @@ def launch_cmd(
 def follow_run(result, as_json: bool) -> int:
     """--wait of `launch` and `resume`: follow the started attempt with progress until it ends (or a
     component stalls); its exit code."""
-    from rlctl.cli.follow import exit_code, follow, verdict
+    from rlctl.cli.follow import Detached, exit_code, follow_or_detach, verdict
 
-    final = follow(result.run.root, quiet=as_json, interval=2.0 if result.job_id else 0.5)
+    try:
+        final = follow_or_detach(result.run.root, result.name, quiet=as_json, interval=2.0 if result.job_id else 0.5)
+    except Detached as e:
+        return e.code
     rc = exit_code(final)
     if not as_json:
         if final.get("reward_mean") is not None:

@@ -188,9 +188,13 @@ def register(app: typer.Typer) -> None:
                      "`rlctl pool stop` (allowed: --once, --json)")
             return _pool(run_dir, once, as_json, interval)
         if wait:
-            from rlctl.cli.follow import follow
+            from rlctl.cli.follow import Detached, follow_or_detach
 
-            summary = with_plan(follow(run_dir, quiet=as_json, interval=interval, timeout=timeout), run_dir)
+            try:
+                summary = with_plan(follow_or_detach(run_dir, run_dir.name, quiet=as_json, interval=interval,
+                                                     timeout=timeout), run_dir)
+            except Detached as e:
+                raise typer.Exit(e.code) from None
         elif once or as_json or plot is not None:
             summary, metrics = _snapshot(run_dir)
             if not as_json and (once or plot is None):

@@ -43,3 +43,19 @@ def test_monitor_wait_names_why_the_run_is_lost(tmp_path, monkeypatch):
     monkeypatch.setattr(follow_module, "snapshot", vanish)
     r = CliRunner().invoke(app, ["monitor", str(run), "--wait", "--interval", "0.05", "--timeout", "30"])
     assert r.exit_code == 1 and "lost" in r.output and "run.json is gone" in r.output, r.output
+
+
+def test_sigterm_stops_the_following_only_and_says_so(tmp_path, capsys):
+    import os
+    import signal
+    import threading
+
+    import pytest
+
+    run = _pending_run(tmp_path)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # a CI job's timeout
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(follow_module.Detached) as stopped:
+        follow_module.follow_or_detach(run, "r-1", quiet=True, interval=0.05, timeout=30)
+    assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) is handler  # restored
+    assert "stopped following; run r-1 keeps running (`rlctl monitor r-1`, `rlctl cancel r-1`)" in capsys.readouterr().err
