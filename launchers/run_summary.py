@@ -4,21 +4,34 @@ logs. Pure data, no rich."""
 from __future__ import annotations
 
 import re
+import signal
 import statistics
 import time
 from pathlib import Path
 
-from rlctl.launchers.status import RunStatus, epoch
+from rlctl.launchers.status import RunStatus, read_json_record, epoch
 from rlctl.orchestrator.exchange.heartbeat import Beat, stalled_for
 from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord as Orch
 from rlctl.orchestrator.exchange.metrics import TrainerStepRecord as Trainer
 from rlctl.orchestrator.exchange.metrics import keys_of
 
 WINDOW = 20  # recent steps that medians, idle fractions and the ETA are computed over
-ERROR_RE = re.compile(r"error|traceback|killed|out of memory", re.IGNORECASE)
-# What an inference wrapper prints before it stops its server (inference/__main__.py): what the
-# server logs after that (vLLM's EngineDeadError as its engine goes away) is shutdown, not failure.
-SHUTDOWN_RE = re.compile(r"rlctl\.inference\[\d+\]: (run finished|stop requested), stopping the server")
+# "died", "exited with code N": what a wrapper says when its process went away ("server 0 died with code -9")
+ERROR_RE = re.compile(r"error|traceback|killed|out of memory|\bdied\b|exited with code -?[1-9]", re.IGNORECASE)
+# What a wrapper prints when its component is told to stop (inference/__main__.py before it stops its
+# server, trainer/train.py once it saved its SIGTERM checkpoint): what the log holds after that (vLLM's
+# EngineDeadError as its engine goes away, a lost peer) is shutdown, not failure.
+SHUTDOWN_RE = re.compile(r"rlctl\.inference\[\d+\]: (run finished|stop requested), stopping the server"
+                         r"|\[trainer [\d:]+\] preemption requested \(SIGTERM\)")
+# The local supervisor's bookkeeping (launchers/local.py): the culprit entry says it better.
+BOOKKEEPING_RE = re.compile(r"\] \S+ rank \d+ exited with code -?\d+$")
+# inference/__main__.py:_fail repeats the server's last lines after its message: already in the log above.
+REPEAT_RE = re.compile(r"^--- last (\d+) lines of the server log ---$")
+# The supervisor polls every 0.2 s and stamps the exits it sees in one poll in task order: exits this
+# close together are one event, and which of them came first is decided otherwise (see culprit()).
+TIE_S = 0.5
+# What a task told to stop exits with (SIGTERM/SIGINT, or 128+ of them): a consequence, never a cause.
+STOP_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
 TRAINER_STEP_S, WAIT_BATCH_S = keys_of(Trainer, "trainer_step_time_s", "wait_batch_s")
 ORCH_STEP_S, WAIT_POLICY_S, REWARD = keys_of(Orch, "orchestrator_step_time_s", "wait_policy_s", "reward_mean")
 MEASURED_KEYS = {
@@ -84,30 +97,119 @@ def _before_shutdown(lines: list[str]) -> list[str]:
     return lines
 
 
+def _without_repeats(lines: list[str]) -> list[str]:
+    """The lines less the server-log excerpts a wrapper repeats after its message (shown twice, they
+    would push the message itself out of the last lines)."""
+    out, skip = [], 0
+    for line in lines:
+        if skip:
+            skip -= 1
+        elif m := REPEAT_RE.match(line.strip()):
+            skip = int(m.group(1))
+        else:
+            out.append(line)
+    return out
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _tail(path: Path, size: int = 65536) -> list[str] | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - size))  # only the tail: logs of long runs are large
+            return f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+
+
+def _attempt_of(folder: Path) -> int | None:
+    m = re.fullmatch(r"attempt_(\d+)", folder.resolve().name)
+    return int(m.group(1)) if m else None
+
+
+def culprit(run_dir: Path | str, folder: Path) -> dict | None:
+    """The task whose abnormal exit ended the attempt whose logs are in `folder`, from the local
+    supervisor's status files (`status/<group>.<component>.<rank>.json`: returncode, ended): the
+    earliest non-zero exit. The others' exits follow it (the supervisor SIGTERMs them; a peer fails
+    on the lost connection), so their log lines are consequences, however many and however late.
+    Exits within TIE_S of the first are told apart by: not a stop code, then the log last written
+    first (a killed process writes nothing more; a peer that reacts writes its traceback after).
+    None for a cancelled attempt, without status files of this attempt, or when nothing failed."""
+    status = Path(run_dir) / "status"
+    sup = read_json_record(status / "supervisor.json")
+    if sup is None or sup.get("state") == "cancelled" or sup.get("attempt") not in (None, _attempt_of(folder)):
+        return None
+    since = epoch(sup.get("started"))
+    exits = []
+    for path in status.glob("*.json"):
+        record = read_json_record(path) if path.name != "supervisor.json" else None
+        if record is None:
+            continue
+        rc, ended, started = record.get("returncode"), epoch(record.get("ended")), epoch(record.get("started"))
+        if type(rc) is not int or rc == 0 or ended is None:
+            continue
+        if since is not None and started is not None and started < since - 1.0:
+            continue  # an earlier attempt's task that this one does not have
+        group, _, component = path.stem.partition(".")
+        log = folder / group / f"{component}.log"
+        exits.append({"component": path.stem, "group": group, "rank": component.rpartition(".")[2],
+                      "returncode": rc, "ended": ended, "log": log, "mtime": _mtime(log)})
+    if not exits:
+        return None
+    first = min(e["ended"] for e in exits)
+    tied = [e for e in exits if e["ended"] <= first + TIE_S]
+    return min(tied, key=lambda e: (e["returncode"] in STOP_CODES, e["mtime"], e["ended"]))
+
+
+def _cause_entry(cause: dict, folder: Path) -> dict:
+    rc = cause["returncode"]
+    how = ""
+    if rc < 0:
+        try:
+            how = f" (killed by {signal.Signals(-rc).name})"
+        except ValueError:
+            how = f" (killed by signal {-rc})"
+    line = f"{cause['group']} rank {cause['rank']} failed first: exited with code {rc}{how}"
+    return {"file": str(cause["log"].relative_to(folder)), "line": line, "cause": True,
+            "component": cause["component"], "returncode": rc}
+
+
 def log_errors(run_dir: Path | str, attempt: int | None = None, limit: int = 8, per_file: int = 3,
                completed: bool = False) -> list[dict]:
     """The last error-looking lines of every component log of the latest attempt. For a `completed`
-    run, what a log holds after its component was told to stop is shutdown noise and left out."""
+    run, what a log holds after its component was told to stop is shutdown noise and left out.
+    When a task failed (see culprit()), the first entry names it (`cause`: True), its own last error
+    lines follow, then the other logs' (without their shutdown noise), earliest written first; the
+    first `limit` are kept. Otherwise the last `limit` lines, the most recently written log last."""
     logs = Path(run_dir) / "logs"
     folder = logs / "latest"
     if not folder.is_dir() and attempt is not None:
         folder = logs / f"attempt_{attempt}"
     if not folder.is_dir():
         return []
-    found = []
-    for path in sorted(folder.rglob("*.log"), key=lambda p: p.stat().st_mtime if p.exists() else 0):
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - 65536))  # only the tail: logs of long runs are large
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError:
+    cause = None if completed else culprit(run_dir, folder)
+    own: list[dict] = []
+    found: list[dict] = []
+    for path in sorted(folder.rglob("*.log"), key=_mtime):
+        lines = _tail(path)
+        if lines is None:
             continue
-        if completed:
+        mine = cause is not None and path == cause["log"]
+        if completed or (cause is not None and not mine):
             lines = _before_shutdown(lines)
-        hits = [line.strip() for line in lines if ERROR_RE.search(line)]
-        found.extend({"file": str(path.relative_to(folder)), "line": line[:300]} for line in hits[-per_file:])
-    return found[-limit:]
+        hits = [line.strip() for line in _without_repeats(lines)
+                if ERROR_RE.search(line) and not (cause and BOOKKEEPING_RE.search(line.strip()))]
+        entries = [{"file": str(path.relative_to(folder)), "line": line[:300]} for line in hits[-per_file:]]
+        (own if mine else found).extend(entries)
+    if cause is None:
+        return found[-limit:]
+    return ([_cause_entry(cause, folder)] + own + found)[:limit]
 
 
 def health(status: RunStatus, beats: list[Beat], now: float | None = None) -> list[dict]:

@@ -200,7 +200,7 @@ def run_state(run_dir: Path | str) -> RunStatus:
 # ------------------------------------------------------------------------------------------- local
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json_record(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -263,7 +263,7 @@ def _local_state(status: RunStatus, folder: Path) -> None:
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         if path.name == "supervisor.json":
             continue
-        record = _read_json(path)
+        record = read_json_record(path)
         if record is None:
             continue
         parts = path.stem.split(".")
@@ -273,7 +273,7 @@ def _local_state(status: RunStatus, folder: Path) -> None:
             exit_code=None if record.get("returncode") is None else str(record["returncode"]),
             pid=record.get("pid"), started=_fmt_time(record.get("started")), ended=_fmt_time(record.get("ended")),
         ))
-    supervisor = _read_json(folder / "supervisor.json")
+    supervisor = read_json_record(folder / "supervisor.json")
     if supervisor is None:
         status.state, status.reason = ("pending", "launcher starting") if not status.components else ("unknown", "no supervisor status")
         if not folder.is_dir():

@@ -74,7 +74,8 @@ def test_a_failing_component_has_the_others_stopped_at_once(tmp_path):
     took = time.monotonic() - t0
     assert out.returncode == 1, out.stderr  # as `monitor --wait`; the component's own code is in the verdict
     # what failed is printed with the verdict, so a CI log says why without the run dir
-    assert ("last errors in the logs:\n  inference/inference.0.log: smoke inference rank 0: error: failing on purpose\n"
+    assert ("last errors in the logs:\n  inference/inference.0.log: inference rank 0 failed first: exited with code 3\n"
+            "  inference/inference.0.log: smoke inference rank 0: error: failing on purpose\n"
             "run FAILED, launcher exit code 3 (exit code 1)") in out.stdout, out.stdout
     run = Path(out.stdout.split("run dir:", 1)[1].split()[0])
     assert took < 60, took  # the others would otherwise hold for the grace period (or their 600 s)
