@@ -2,11 +2,14 @@
 local supervisor). Shared by `rlctl launch` and `rlctl resume`."""
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,8 +232,33 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
             raise RecipeError(f"{existing.root} exists but holds no run.json "
                               "(another launch is creating it, or it is not a run directory)", key="--name")
         raise RunExists(existing)
-    with run_lock(run, f"rlctl launch --name {run.root.name}"):
-        return start_attempt(run, loaded, refs, 0, dry_run=dry_run)
+    try:
+        with run_lock(run, f"rlctl launch --name {run.root.name}"):
+            return start_attempt(run, loaded, refs, 0, dry_run=dry_run)
+    except BaseException:  # Ctrl-C or a refusal before anything started: the name is free again
+        if not run.manifest.exists():  # written as soon as a job or supervisor exists (start_attempt)
+            shutil.rmtree(run.root, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """SIGINT/SIGTERM arriving inside take effect at its end: between starting a job or supervisor and
+    recording it in run.json, an interrupt left a run nothing could see or cancel. (Handlers, not a
+    blocked signal mask: children inherit a mask across exec, and a supervisor deaf to SIGTERM could
+    not be cancelled.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if held:
+            os.kill(os.getpid(), held[0])  # delivered again, now to the handlers the caller had
 
 
 def check_submitter(profile, dry_run: bool) -> None:
@@ -280,31 +308,32 @@ def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = Fa
         return result
     _maybe_build_model(run, recipe)
     held = profile.scheduler == "slurm" and prepare is not None
-    if profile.scheduler == "slurm":
-        if not held:
-            commit()
-        result.job_id, result.script = _submit(run, attempt, recipe, groups, extra_env, held, info, previous)
-        info["job_id"] = result.job_id
-        if held:
-            try:
+    with deferred_interrupts():  # from the submission or spawn until run.json records it (and a held job is released)
+        if profile.scheduler == "slurm":
+            if not held:
                 commit()
-            except BaseException:
-                _slurm(["scancel", result.job_id])
-                raise
-    else:
-        commit()
-        from rlctl.launchers.local import start_supervisor
+            result.job_id, result.script = _submit(run, attempt, recipe, groups, extra_env, held, info, previous)
+            info["job_id"] = result.job_id
+            if held:
+                try:
+                    commit()
+                except BaseException:
+                    _slurm(["scancel", result.job_id])
+                    raise
+        else:
+            commit()
+            from rlctl.launchers.local import start_supervisor
 
-        result.supervisor_pid = start_supervisor(run, attempt, extra_env)
-        info["supervisor_pid"] = result.supervisor_pid
-    info["attempts"].append({"attempt": attempt, "job_id": result.job_id, "submit_time": info["submit_time"],
-                             **(history or {})})
-    atomic_write_json(run.manifest, info)
-    if held:
-        released = _slurm(["scontrol", "release", result.job_id])
-        if released:
-            raise RecipeError(f"job {result.job_id} was submitted held and could not be released ({released}); "
-                              f"release it with `scontrol release {result.job_id}`")
+            result.supervisor_pid = start_supervisor(run, attempt, extra_env)
+            info["supervisor_pid"] = result.supervisor_pid
+        info["attempts"].append({"attempt": attempt, "job_id": result.job_id, "submit_time": info["submit_time"],
+                                 **(history or {})})
+        atomic_write_json(run.manifest, info)
+        if held:
+            released = _slurm(["scontrol", "release", result.job_id])
+            if released:
+                raise RecipeError(f"job {result.job_id} was submitted held and could not be released ({released}); "
+                                  f"release it with `scontrol release {result.job_id}`")
     return result
 
 
@@ -312,7 +341,6 @@ def _submit(run: RunDir, attempt: int, recipe, groups, extra_env, hold: bool, in
             previous: dict | None) -> tuple[str, Path]:
     """Submit the het job of this attempt; (job id, script). On a refusal the run keeps the manifest
     of its previous attempt (plus the error), so it still reads as that attempt."""
-    import contextlib
     import io
 
     from submitit.core.utils import FailedJobError

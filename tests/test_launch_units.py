@@ -1,6 +1,7 @@
 """Unit tests of the launchers' pure parts: het script rendering, sacct row mapping, env contract."""
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -277,3 +278,34 @@ def test_a_requeue_counts_as_a_restart_before_accounting_catches_up(monkeypatch)
     monkeypatch.setattr(slurm_state, "squeue_components", lambda job: ({0: {"state": "RUNNING", "nodes": "n"}}, ""))
     monkeypatch.setattr(slurm_state, "sacct_components", acct("RUNNING"))
     assert slurm_state.read_job("7")[0][0]["restarts"] == 0
+
+
+def test_an_interrupt_never_leaves_a_started_run_unrecorded_nor_a_claimed_name_behind(tmp_path, monkeypatch):
+    """Ctrl-C between spawning the supervisor and writing run.json left a run nothing could see or cancel;
+    before anything started, it left a directory without run.json that blocked the name for good."""
+    import os
+    import signal
+
+    from rlctl.launchers import launch as launch_module
+    from rlctl.launchers import local
+
+    args = (["smoke"], [f"deployment.output_dir={tmp_path}"])
+
+    def interrupted_build(run, recipe):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_module, "_maybe_build_model", interrupted_build)
+    with pytest.raises(KeyboardInterrupt):
+        launch_module.launch(*args, cluster="local", name="early")
+    assert not (tmp_path / "early").exists()  # the name is free again
+
+    monkeypatch.setattr(launch_module, "_maybe_build_model", lambda run, recipe: None)
+
+    def spawn_then_ctrl_c(run, attempt, extra_env=None):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives right after the spawn, before run.json records it
+        return 4242424
+
+    monkeypatch.setattr(local, "start_supervisor", spawn_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):  # still interrupted, once the run is recorded
+        launch_module.launch(*args, cluster="local", name="late")
+    assert json.loads((tmp_path / "late" / "run.json").read_text())["supervisor_pid"] == 4242424
