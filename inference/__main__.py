@@ -200,11 +200,13 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key
     probes, next_probe = 0, 0.0
     while not _healthy(url):
         heartbeat.beat(probes, waiting_for="server startup")
-        if (code := exit_status(proc)) is not None:
-            time.sleep(0.5)  # let the pump catch the last lines
-            return _fail(f"server {index} exited with code {code} before becoming ready", tail)
         if stop.is_set():
             return 143
+        if (code := exit_status(proc)) is not None:
+            time.sleep(0.5)  # let the pump catch the last lines
+            if stop.is_set():  # the launcher's stop reached the server's group too, first: a stop, not a failure
+                return 143
+            return _fail(f"server {index} exited with code {code} before becoming ready", tail)
         if time.monotonic() > deadline:
             return _fail(f"server {index} not healthy after {recipe.inference.startup_timeout_s:.0f} s at {url}", tail)
         time.sleep(0.2)
@@ -233,6 +235,9 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key
             return 143
         if (code := exit_status(proc)) is not None:
             time.sleep(0.5)
+            if stop.is_set():
+                print(f"rlctl.inference[{index}]: stop requested, stopping the server", flush=True)
+                return 143
             return _fail(f"server {index} died with code {code}", tail)
         if time.monotonic() >= next_probe:
             next_probe = time.monotonic() + heartbeat.interval_s

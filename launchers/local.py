@@ -54,8 +54,12 @@ def start_supervisor(run: RunDir, attempt: int, extra_env: dict | None = None) -
     log = run.attempt_logs(attempt) / "supervisor.log"
     private_dir(status_dir(run))
     record = status_dir(run) / "supervisor.json"
-    # Replace the previous attempt's record first: it says "exited", which would read as this run's end.
+    # Replace the previous attempt's record first: it says "exited", which would read as this run's end;
+    # its tasks' records go too (a follower showed their end states as this attempt's first).
     atomic_write_json(record, {"pid": None, "state": "starting", "returncode": None, "attempt": attempt})
+    for stale in status_dir(run).glob("*.json"):
+        if stale != record:
+            stale.unlink(missing_ok=True)
     started = time.time()
     out = open_log(log)
     try:

@@ -260,6 +260,8 @@ def _local_process_state(record: dict, here: str) -> str:
 
 def _local_state(status: RunStatus, folder: Path) -> None:
     here = socket.gethostname()
+    supervisor = read_json_record(folder / "supervisor.json")
+    sup_state = _local_process_state(supervisor, here) if supervisor is not None else None
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         if path.name == "supervisor.json":
             continue
@@ -267,24 +269,26 @@ def _local_state(status: RunStatus, folder: Path) -> None:
         if record is None:
             continue
         parts = path.stem.split(".")
+        state = _local_process_state(record, here)
+        if state == "lost" and sup_state in ("starting", "running"):
+            state = record["state"]  # exited a moment ago: its live supervisor records how within its next poll
         status.components.append(ComponentStatus(
-            name=path.stem, group=parts[0], state=_local_process_state(record, here),
+            name=path.stem, group=parts[0], state=state,
             nodes=record.get("host") or "", restarts=int(record.get("restarts") or 0),
             exit_code=None if record.get("returncode") is None else str(record["returncode"]),
             pid=record.get("pid"), started=_fmt_time(record.get("started")), ended=_fmt_time(record.get("ended")),
         ))
-    supervisor = read_json_record(folder / "supervisor.json")
     if supervisor is None:
         status.state, status.reason = ("pending", "launcher starting") if not status.components else ("unknown", "no supervisor status")
         if not folder.is_dir():
             status.state, status.reason = "unknown", f"no status files in {folder}"
         return
-    sup_state = _local_process_state(supervisor, here)
     if isinstance(supervisor.get("returncode"), int):
         status.exit_code = supervisor["returncode"]
     if sup_state in ("starting", "running"):
-        states = [c.state for c in status.components]
-        status.state = "running" if any(s == "running" for s in states) else "pending"
+        # pending until a task runs; once one ran, the run is running until its supervisor ends (at the end
+        # every task has exited a moment before it does: that is not "pending" again)
+        status.state = "pending" if all(c.state == "starting" for c in status.components) else "running"
     elif sup_state == "completed":
         status.state = "completed" if status.done else "failed"
         if not status.done:
