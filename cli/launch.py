@@ -163,7 +163,8 @@ def logs_cmd(run: str = typer.Argument(..., help="Run directory or run name."),
     if not follow:
         for path in files:
             typer.echo(f"==> {path.relative_to(rd.root)} <==")
-            sys.stdout.write(path.read_text(errors="replace"))
+            text = path.read_text(errors="replace")
+            sys.stdout.write(text if not text or text.endswith("\n") else text + "\n")  # the next header on its own line
         return
     follow_logs(rd, group, attempt, lambda: run_active(rd))
 

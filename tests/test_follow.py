@@ -1,4 +1,4 @@
-"""The follow loop of `launch --wait` / `monitor --wait` ends when there is nothing left to follow."""
+"""The follow loop of `launch --wait` / `monitor --wait` ends when there is nothing left to follow; `rlctl logs` output."""
 import json
 import shutil
 
@@ -59,3 +59,15 @@ def test_sigterm_stops_the_following_only_and_says_so(tmp_path, capsys):
         follow_module.follow_or_detach(run, "r-1", quiet=True, interval=0.05, timeout=30)
     assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) is handler  # restored
     assert "stopped following; run r-1 keeps running (`rlctl monitor r-1`, `rlctl cancel r-1`)" in capsys.readouterr().err
+
+
+def test_logs_put_each_header_on_its_own_line(tmp_path, monkeypatch):
+    """A log cut off mid-line (a process killed, a library's last words without a newline) ran into the
+    next file's header."""
+    run = _pending_run(tmp_path)
+    for group, text in (("inference", "leaked 3 instances"), ("trainer", "trained\n")):
+        (run / "logs" / "attempt_0" / group).mkdir(parents=True)
+        (run / "logs" / "attempt_0" / group / f"{group}.0.log").write_text(text)
+    r = CliRunner().invoke(app, ["logs", str(run), "--attempt", "0"])
+    assert r.exit_code == 0, r.output
+    assert "leaked 3 instances\n==> logs/attempt_0/trainer/trainer.0.log <==\ntrained\n" in r.output, r.output
