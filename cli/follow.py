@@ -71,7 +71,8 @@ def follow(run_dir: Path, quiet: bool = False, interval: float = 1.0, timeout: f
             gone_since = gone_since or time.monotonic()
             if time.monotonic() - gone_since >= GONE_S:
                 lines.end()
-                summary["state"], summary["reason"] = "lost", f"{run_dir}/run.json is gone: the run directory was deleted or moved"
+                summary["state"] = "lost"
+                summary["reason"] = f"{run_dir}/run.json is gone: the run directory was deleted or moved"
                 return summary
         else:
             gone_since = None

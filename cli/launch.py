@@ -164,7 +164,7 @@ def logs_cmd(run: str = typer.Argument(..., help="Run directory or run name."),
         for path in files:
             typer.echo(f"==> {path.relative_to(rd.root)} <==")
             text = path.read_text(errors="replace")
-            sys.stdout.write(text if not text or text.endswith("\n") else text + "\n")  # the next header on its own line
+            sys.stdout.write(text if not text or text.endswith("\n") else text + "\n")  # next header on a line of its own
         return
     follow_logs(rd, group, attempt, lambda: run_active(rd))
 

@@ -82,5 +82,5 @@ def field_docs(model: type) -> dict[str, str]:
 
 
 __all__ = ["AUTO", "Count", "Degree", "Delay", "Fraction", "MAX_COUNT", "MAX_GPUS_PER_NODE", "MAX_NODES",
-           "MAX_TOKENS", "NodeCount", "NonNegative", "Positive", "PositiveCount", "RUN_NAME_ALLOWED", "RUN_NAME_PATTERN",
-           "RunName", "Seconds", "StrictModel", "Tokens", "Field", "field_docs"]
+           "MAX_TOKENS", "NodeCount", "NonNegative", "Positive", "PositiveCount", "RUN_NAME_ALLOWED",
+           "RUN_NAME_PATTERN", "RunName", "Seconds", "StrictModel", "Tokens", "Field", "field_docs"]
