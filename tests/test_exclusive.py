@@ -360,14 +360,17 @@ def test_a_refused_submission_during_resume_loses_nothing(vslurm, tmp_path, slur
     src = source_run(tmp_path)
     before = snapshot(run)
     profile.write_text(profile.read_text().replace("gpu: gpu", "gpu: nope"))  # sbatch refuses the next job
-    for extra in ((), ("--from", str(src.checkpoints / "step_2"))):
+    finished = rlctl("resume", str(run.root))  # DONE: only an explicit checkpoint (or more steps) resumes it
+    assert finished.returncode == 2 and "already finished" in one_line(finished.stderr)
+    assert snapshot(run) == before
+    for extra in (("--step", "2"), ("--from", str(src.checkpoints / "step_2"))):
         refused = rlctl("resume", str(run.root), *extra)
         assert refused.returncode == 2 and "sbatch refused the job: invalid partition" in one_line(refused.stderr)
         assert snapshot(run) == before  # checkpoints, weights, rollouts, DONE untouched; no staged copy left
         info = manifest(run.root)
         assert info["attempt"] == 0 and info["job_id"] == first_job and len(info["attempts"]) == 1
     profile.write_text(profile.read_text().replace("gpu: nope", "gpu: gpu"))
-    ok = rlctl("resume", str(run.root), "--wait", "--json", timeout=300)  # held, rewound, released
+    ok = rlctl("resume", str(run.root), "--step", "2", "--wait", "--json", timeout=300)  # held, rewound, released
     assert ok.returncode == 0, ok.stderr
     slurm_jobs.append(manifest(run.root)["job_id"])
     assert sorted(p.name for p in run.rollouts.glob("step_*")) == ["step_0", "step_1"]
