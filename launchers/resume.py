@@ -191,11 +191,9 @@ def resume(run: RunDir, step: int | None = None, source: Path | None = None, *, 
     then rewind, release and record. A refusal anywhere before leaves the run as it was.
     `refs`/`overrides` replace the run's own recipe (`launch --resume`). Returns (LaunchResult, Rewind)."""
     from rlctl.launchers.launch import check_submitter, load_for_launch, run_lock, start_attempt
-    from rlctl.launchers.status import BrokenRun, load_manifest
+    from rlctl.launchers.status import usable_run
 
-    _, problem = load_manifest(run.root)
-    if problem:  # before the lock: nothing is written into a directory that is not a run's
-        raise BrokenRun(f"run {run.root.name!r}: {run.root} is not a run directory ({problem})")
+    usable_run(run.root, run.root.name)  # before the lock: nothing is written into a directory that is not a run's
     with run_lock(run, command or f"rlctl resume {run.root.name}"):
         refuse_if_active(run)
         previous = run.read_manifest()

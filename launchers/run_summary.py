@@ -9,7 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
-from rlctl.launchers.status import RunStatus, read_json_record, epoch
+from rlctl.launchers.status import CANCEL_CODES, RunStatus, epoch, read_json_record
 from rlctl.orchestrator.exchange.heartbeat import Beat, stalled_for
 from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord as Orch
 from rlctl.orchestrator.exchange.metrics import TrainerStepRecord as Trainer
@@ -30,8 +30,6 @@ REPEAT_RE = re.compile(r"^--- last (\d+) lines of the server log ---$")
 # The supervisor polls every 0.2 s and stamps the exits it sees in one poll in task order: exits this
 # close together are one event, and which of them came first is decided otherwise (see culprit()).
 TIE_S = 0.5
-# What a task told to stop exits with (SIGTERM/SIGINT, or 128+ of them): a consequence, never a cause.
-STOP_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
 TRAINER_STEP_S, WAIT_BATCH_S = keys_of(Trainer, "trainer_step_time_s", "wait_batch_s")
 ORCH_STEP_S, WAIT_POLICY_S, REWARD = keys_of(Orch, "orchestrator_step_time_s", "wait_policy_s", "reward_mean")
 MEASURED_KEYS = {
@@ -164,7 +162,8 @@ def culprit(run_dir: Path | str, folder: Path) -> dict | None:
         return None
     first = min(e["ended"] for e in exits)
     tied = [e for e in exits if e["ended"] <= first + TIE_S]
-    return min(tied, key=lambda e: (e["returncode"] in STOP_CODES, e["mtime"], e["ended"]))
+    return min(tied, key=lambda e: (e["returncode"] in CANCEL_CODES,  # told to stop: a consequence
+                                      e["mtime"], e["ended"]))
 
 
 def _cause_entry(cause: dict, folder: Path) -> dict:

@@ -23,7 +23,7 @@ from rlctl.recipes.errors import RecipeError
 ENDED = ("completed", "failed", "cancelled", "lost")
 DEFAULT_STALL_TIMEOUT_S = 1800.0  # monitoring.stall_timeout_s when the manifest has none
 # A supervisor ended by these signals (or exit codes 128+sig) was cancelled, not failed.
-_CANCEL_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+CANCEL_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
 
 
 @dataclass
@@ -129,7 +129,7 @@ def resolve_run(ref: str, root: Path | str | None = None, kind: str = "run") -> 
     whose run.json is no manifest is BrokenRun (`kind`, run or pool, names it in the message)."""
     path = Path(ref).expanduser()
     if _is_run(path):
-        return _usable(path, ref, kind)
+        return usable_run(path, ref, kind)
     base = Path(root) if root is not None else default_root()
     hint = "pass the run directory, or a run name (see `rlctl runs`)"
     if "/" in ref or not ref or ref.startswith("."):
@@ -139,10 +139,10 @@ def resolve_run(ref: str, root: Path | str | None = None, kind: str = "run") -> 
         if not _mine(candidate):
             raise RunNotFound(f"run {ref!r} under {base} belongs to another user; pass its path to use it anyway")
         if _is_run(candidate):
-            return _usable(candidate, ref, kind)
+            return usable_run(candidate, ref, kind)
     named = [d for d in list_runs(base) if d.name.startswith(f"{ref}-")]
     if len(named) == 1:
-        return _usable(named[0], ref, kind)
+        return usable_run(named[0], ref, kind)
     if named:
         shown = ", ".join(d.name for d in named[-5:]) + (" ..." if len(named) > 5 else "")
         raise RunNotFound(f"run {ref!r} is ambiguous under {base}: {len(named)} runs match ({shown}); "
@@ -150,7 +150,8 @@ def resolve_run(ref: str, root: Path | str | None = None, kind: str = "run") -> 
     raise RunNotFound(f"run {ref!r}: no run.json at {path} or under {base}; {hint}")
 
 
-def _usable(path: Path, ref: str, kind: str) -> Path:
+def usable_run(path: Path, ref: str, kind: str = "run") -> Path:
+    """`path`, absolute, if its run.json is a manifest; else BrokenRun naming `ref` as a `kind` (run, pool)."""
     _, problem = load_manifest(path)
     if problem:
         raise BrokenRun(f"{kind} {ref!r}: {path} is not a {kind} directory ({problem})")
@@ -254,7 +255,7 @@ def _local_process_state(record: dict, here: str) -> str:
         rc = record.get("returncode")
         if rc == 0:
             return "completed"
-        return "cancelled" if rc in _CANCEL_CODES else "failed"
+        return "cancelled" if rc in CANCEL_CODES else "failed"
     return state if state in ("cancelled", "failed", "completed") else "unknown"
 
 
