@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import math
@@ -38,10 +37,10 @@ def user_errors(fn: Callable) -> Callable:
         except OSError as e:
             # A path the user gave that cannot be used (too long, not there, not allowed) and that no
             # check before caught: still one line. Other OS errors (disk full, I/O) are failures, exit 1.
-            if e.filename is None or e.errno not in _BAD_PATH:
-                raise
-            from rlctl.recipes.errors import shown
+            from rlctl.recipes.errors import UNUSABLE_PATH, shown
 
+            if e.filename is None or e.errno not in UNUSABLE_PATH:
+                raise
             fail(f"{shown(str(e.filename))}: {e.strerror}", USAGE_ERROR)
         except Exception as e:
             # imported here, not above: the lock module is not needed on the path of a plan
@@ -53,9 +52,6 @@ def user_errors(fn: Callable) -> Callable:
 
     return wrapper
 
-
-_BAD_PATH = {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
-             errno.ELOOP, errno.EROFS}
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from typing import Callable
 from rlctl.launchers.groups import JobGroup, build_groups
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import DIR_MODE, atomic_write_bytes, atomic_write_json, private_dir
-from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.errors import UNUSABLE_PATH, RecipeError, shown
 
 
 @dataclass
@@ -38,8 +38,21 @@ class LaunchResult:
 def output_root(recipe, profile) -> Path:
     """`deployment.output_dir`, else $RLCTL_OUTPUT_DIR, else the profile's shared filesystem, else ./runs
     (`status.default_root` looks run names up in the same order)."""
-    root = recipe.deployment.output_dir or os.environ.get("RLCTL_OUTPUT_DIR") or profile.shared_fs or "runs"
-    return Path(root).expanduser().absolute()
+    return Path(_output_root_setting(recipe, profile)[0]).expanduser().absolute()
+
+
+def output_root_origin(recipe, profile) -> str:
+    """Where `output_root` took its folder from: the key a message about that folder names."""
+    return _output_root_setting(recipe, profile)[1]
+
+
+def _output_root_setting(recipe, profile) -> tuple[str, str]:
+    for value, origin in ((recipe.deployment.output_dir, "deployment.output_dir"),
+                          (os.environ.get("RLCTL_OUTPUT_DIR"), "RLCTL_OUTPUT_DIR"),
+                          (profile.shared_fs, f"cluster profile '{profile.name}': shared_fs")):
+        if value:
+            return value, origin
+    return "runs", "deployment.output_dir (unset: ./runs)"
 
 
 def check_run_name(name: str) -> str:
@@ -54,18 +67,23 @@ def check_run_name(name: str) -> str:
         raise RecipeError(f"invalid run name {name!r}: use {RUN_NAME_ALLOWED}", key="--name") from None
 
 
-def claim_run_dir(root: Path, prefix: str, name: str | None) -> RunDir | None:
+def claim_run_dir(root: Path, prefix: str, name: str | None, key: str) -> RunDir | None:
     """Create the run directory exclusively, so two launches never share one. An automatic name that
-    is taken (same recipe, same second) gets the next free suffix; a chosen `name` that exists → None."""
-    private_dir(root)
+    is taken (same recipe, same second) gets the next free suffix; a chosen `name` that exists → None.
+    A root that cannot hold it (not a folder, not allowed) is one line naming `key`, the setting it came from."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     candidates = [name] if name else [f"{prefix}-{stamp}"] + [f"{prefix}-{stamp}-{n}" for n in range(2, 1000)]
     for candidate in candidates:
         path = root / candidate
         try:
+            private_dir(root)
             os.mkdir(path, DIR_MODE)
         except FileExistsError:
             continue
+        except OSError as e:
+            if e.errno not in UNUSABLE_PATH:
+                raise  # disk full, I/O: a failure, not bad input
+            raise RecipeError(f"cannot create a run directory in {shown(str(root))}: {e.strerror}", key=key) from None
         os.chmod(path, DIR_MODE)  # mkdir's mode is filtered by the umask
         return RunDir(path)
     if name:
@@ -225,7 +243,7 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
     recipe, profile = loaded[0], loaded[1]
     check_submitter(profile, dry_run)
     root = output_root(recipe, profile)
-    run = claim_run_dir(root, recipe.name, name)
+    run = claim_run_dir(root, recipe.name, name, output_root_origin(recipe, profile))
     if run is None:
         existing = RunDir(root / name)
         if not existing.manifest.is_file():

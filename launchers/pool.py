@@ -38,7 +38,7 @@ def pool_job(recipe, profile, placement) -> tuple[Placement, list[JobGroup]]:
 def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | None = None):
     """Start pool `name` (default: the recipe's name), or a new attempt of a stopped pool of that name."""
     from rlctl.launchers.launch import (check_run_name, check_submitter, claim_run_dir, load_for_launch,
-                                        output_root, run_lock, start_attempt)
+                                        output_root, output_root_origin, run_lock, start_attempt)
     from rlctl.launchers.status import run_state
 
     recipe, profile, placement, _ = load_for_launch(refs, overrides, cluster)
@@ -50,7 +50,7 @@ def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | N
     check_submitter(profile, dry_run=False)
     name = check_run_name(name or recipe.name)
     root = pools_root(output_root(recipe, profile))
-    pool = claim_run_dir(root, name, name)
+    pool = claim_run_dir(root, name, name, output_root_origin(recipe, profile))
     loaded = (recipe, profile, *pool_job(recipe, profile, placement))
     if pool is not None:
         with run_lock(pool, f"rlctl pool launch {name}"):

@@ -1,6 +1,8 @@
 """The one error type users see for bad input: a single line, exit code 2."""
 from __future__ import annotations
 
+import errno
+
 
 class RecipeError(Exception):
     """Bad user input (recipe, override, profile, path). `str()` is the one-line message shown."""
@@ -136,6 +138,12 @@ def path_kind(path) -> str | None:
         return "file" if p.is_file() else "dir" if p.is_dir() else None
     except (OSError, ValueError, RuntimeError):  # RuntimeError: `~user` of an unknown user
         return None
+
+
+# OS errors that mean a path the user gave cannot be used (too long, not there, not a folder, not
+# allowed): bad input, one line. Others (disk full, I/O) are failures.
+UNUSABLE_PATH = frozenset({errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES,
+                           errno.EPERM, errno.ELOOP, errno.EROFS})
 
 
 def shown(text: str, limit: int = 80) -> str:

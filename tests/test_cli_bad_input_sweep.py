@@ -151,3 +151,18 @@ def test_launch_refuses_degrees_the_trainer_cannot_run(recipe, override, key, tm
 ])
 def test_usage_errors_are_one_line_too(argv, expect):
     assert _one_line_2(argv, expect).startswith("rlctl: error: ")
+
+
+# ---- an output folder that cannot hold runs -------------------------------------------------------
+@pytest.mark.parametrize("where", ["override", "environment"])
+def test_an_unusable_output_folder_names_the_setting_it_came_from(tmp_path, monkeypatch, where):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    root = not_a_folder / "runs"
+    args, key = ["launch", "tiny-cpu", "--dry-run"], "RLCTL_OUTPUT_DIR"
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(root))
+    if where == "override":  # the recipe's key wins over the environment
+        args, key = [*args, "-o", f"deployment.output_dir={root}"], "deployment.output_dir"
+        monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path / "unused"))
+    _one_line_2(args, f"{key}: cannot create a run directory in {root}", "Not a directory")
+    assert not_a_folder.read_text() == "x" and not (tmp_path / "unused").exists()

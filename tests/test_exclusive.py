@@ -188,9 +188,10 @@ def test_recipe_name_is_bounded_by_the_schema(tmp_path):
 
 
 def test_run_dirs_are_created_exclusively(tmp_path):
-    first, second = claim_run_dir(tmp_path, "smoke", None), claim_run_dir(tmp_path, "smoke", None)
+    first, second = claim_run_dir(tmp_path, "smoke", None, "k"), claim_run_dir(tmp_path, "smoke", None, "k")
     assert first.root != second.root and first.root.parent == second.root.parent == tmp_path
-    assert claim_run_dir(tmp_path, "smoke", "r1") is not None and claim_run_dir(tmp_path, "smoke", "r1") is None
+    assert claim_run_dir(tmp_path, "smoke", "r1", "k") is not None
+    assert claim_run_dir(tmp_path, "smoke", "r1", "k") is None
     assert oct(first.root.stat().st_mode & 0o777) == "0o700"
 
 
