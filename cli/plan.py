@@ -17,7 +17,12 @@ in order (values are TOML literals: `-o trainer.cp=4 -o inference.fp8=true`).
 
 With `--calibrate RUN`, the efficiency constants are fitted to the finished run's measured step times
 and written to a calibration file (`--calibration-out`); point a cluster profile at it
-(`calibration: PATH` in its YAML) and later plans on that profile use it."""
+(`calibration: PATH` in its YAML) and later plans on that profile use it.
+
+Exit code 0 when the run fits, 1 when it does not (the plan is still printed in full, its errors last),
+2 for bad input."""
+
+PLAN_DOES_NOT_FIT = 1
 
 
 def register(app: typer.Typer) -> None:
@@ -68,6 +73,8 @@ def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibr
         from rlctl.cli.plan_view import render
 
         render(report.to_json())
+    if not report.fits:  # printed in full all the same; a CI script gating a launch on the plan sees it
+        raise typer.Exit(PLAN_DOES_NOT_FIT)
 
 
 def _multiplex(recipe, cluster, override, as_json, calibrate, calibration) -> None:

@@ -139,7 +139,7 @@ def test_launch_refuses_degrees_the_trainer_cannot_run(recipe, override, key, tm
     _one_line_2(["launch", recipe, "--dry-run", "-o", override], key)
     assert not any(tmp_path.iterdir())
     r = runner.invoke(app, ["plan", recipe, "-o", override, "--json"])  # plan still reports it, with its figures
-    assert r.exit_code == 0 and any(e.startswith(key) for e in json.loads(r.output)["errors"]), r.output
+    assert r.exit_code == 1 and any(e.startswith(key) for e in json.loads(r.output)["errors"]), r.output
 
 
 # ---- click's own usage errors (missing argument, unparsable or unknown option, unknown command) -----

@@ -60,8 +60,10 @@ def profile_with(tmp_path: Path, calibration: Path, base: str = "local") -> Path
 
 def planned(*args) -> dict:
     out = rlctl("plan", *args, "--json")
-    assert out.exit_code == 0, out.output
-    return json.loads(out.output)
+    assert out.exit_code in (0, 1), out.output
+    plan = json.loads(out.output)
+    assert out.exit_code == (0 if plan["fits"] else 1), plan["errors"]
+    return plan
 
 
 @pytest.mark.parametrize("trainer_s,orch_s,wait_s", [(2.0, 3.0, 0.0), (0.05, 0.9, 0.0), (4.0, 4.2, 3.5)])

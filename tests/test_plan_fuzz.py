@@ -265,7 +265,7 @@ def test_thousand_generated_inputs_plan_or_fail_in_one_line(tmp_path):
     for i in range(CASES):
         args = make_case(rng, tmp_path, i)
         r = runner.invoke(app, args)
-        if r.exit_code not in (0, 2):
+        if r.exit_code not in (0, 1, 2):
             import traceback
 
             detail = "".join(traceback.format_exception(r.exception)) if r.exception else r.output
@@ -276,9 +276,11 @@ def test_thousand_generated_inputs_plan_or_fail_in_one_line(tmp_path):
             lines = r.output.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("rlctl: error: "), (i, r.output[-2000:])
             continue
-        check_plan(_strict_json(r.stdout), tmp_path / f"profile{i}.yaml", tmp_path / f"recipe{i}.toml")
+        plan = _strict_json(r.stdout)
+        assert r.exit_code == (0 if plan["fits"] else 1), (i, plan["errors"])  # 1: printed, does not fit
+        check_plan(plan, tmp_path / f"profile{i}.yaml", tmp_path / f"recipe{i}.toml")
     # The generator must exercise both ends: inputs that plan and inputs that are refused.
-    assert outcomes[0] >= CASES // 10 and outcomes[2] >= CASES // 10, outcomes
+    assert outcomes[0] >= CASES // 10 and outcomes[1] >= 1 and outcomes[2] >= CASES // 10, outcomes
     print(f"fuzz outcomes: {dict(outcomes)}")
 
 

@@ -45,7 +45,7 @@ def test_plan_tiny_cpu_subprocess():
 
 def test_plan_composes_and_overrides():
     r = runner.invoke(app, ["plan", "glm5-swe", "-o", "trainer.cp=4", "--json"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output  # planned in full, but cp does not run with sparse attention
     assert json.loads(r.output)["trainer"]["cp"] == 4
     r = runner.invoke(app, ["plan", "glm5-swe"])
     assert r.exit_code == 0 and "bottleneck" in r.output
