@@ -28,6 +28,20 @@ def _bounds(metadata) -> str:
     return f"[{', '.join(found)}]" if found else ""
 
 
+def _table_model(ann, base):
+    """The model of a table field: `Model` itself, or the model of `Model | None`; else None."""
+    from typing import Union, get_args, get_origin
+    import types
+
+    if isinstance(ann, type) and issubclass(ann, base):
+        return ann
+    if get_origin(ann) in (Union, types.UnionType):
+        models = [a for a in get_args(ann) if isinstance(a, type) and issubclass(a, base)]
+        if len(models) == 1 and len(get_args(ann)) == 2 and type(None) in get_args(ann):
+            return models[0]
+    return None
+
+
 def schema_lines() -> list[str]:
     from pydantic import BaseModel
 
@@ -41,9 +55,11 @@ def schema_lines() -> list[str]:
             path = f"{prefix}{name}"
             ann = f.annotation
             doc = (f.description or field_docs(model).get(name, "")).replace("\n", " ")
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                lines.append(f"[{path}]  {doc}")
-                walk(ann, path + ".")
+            table = _table_model(ann, BaseModel)
+            if table is not None:  # a table, or an optional one (`DatasetConfig | None`): its keys too
+                optional = "" if table is ann else f"(optional, default {f.default!r}) "
+                lines.append(f"[{path}]  {optional}{doc}")
+                walk(table, path + ".")
                 continue
             default = "required" if f.is_required() else repr(f.default)
             lines.append(f"{path}: {_type_name(ann)}{_bounds(f.metadata)} = {default}  # {doc}")

@@ -19,6 +19,10 @@ def test_list_show_schema():
     assert r.exit_code == 0
     assert "trainer.cp: " in r.output and "Context-parallel degree" in r.output
     assert "orchestrator.max_off_policy_steps: int[>= 0, <= 65536] = 1" in r.output
+    # optional tables (`DatasetConfig | None`) are listed with their keys, not as one opaque line
+    assert "[orchestrator.dataset]  (optional, default None) " in r.output
+    assert "orchestrator.dataset.prompt_column: str | None = 'prompt'  # " in r.output
+    assert "[orchestrator.eval]  (optional, default None) " in r.output and "orchestrator.eval.interval: " in r.output
 
 
 def test_clone_refuses_overwrite(tmp_path):
