@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlctl.launchers.groups import JobGroup, build_groups
+from rlctl.launchers.status import output_root, output_root_origin
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import DIR_MODE, atomic_write_bytes, atomic_write_json, private_dir
 from rlctl.recipes.errors import UNUSABLE_PATH, RecipeError, shown
@@ -33,26 +34,6 @@ class LaunchResult:
     dry_run: bool = False
     supervisor_pid: int | None = None
     extra: dict = field(default_factory=dict)
-
-
-def output_root(recipe, profile) -> Path:
-    """`deployment.output_dir`, else $RLCTL_OUTPUT_DIR, else the profile's shared filesystem, else ./runs
-    (`status.default_root` looks run names up in the same order)."""
-    return Path(_output_root_setting(recipe, profile)[0]).expanduser().absolute()
-
-
-def output_root_origin(recipe, profile) -> str:
-    """Where `output_root` took its folder from: the key a message about that folder names."""
-    return _output_root_setting(recipe, profile)[1]
-
-
-def _output_root_setting(recipe, profile) -> tuple[str, str]:
-    for value, origin in ((recipe.deployment.output_dir, "deployment.output_dir"),
-                          (os.environ.get("RLCTL_OUTPUT_DIR"), "RLCTL_OUTPUT_DIR"),
-                          (profile.shared_fs, f"cluster profile '{profile.name}': shared_fs")):
-        if value:
-            return value, origin
-    return "runs", "deployment.output_dir (unset: ./runs)"
 
 
 def check_run_name(name: str) -> str:
@@ -397,7 +378,12 @@ def _maybe_build_model(run: RunDir, recipe) -> None:
     from rlctl.trainer.tiny_model import build_tiny_model, is_tiny_model
 
     if is_tiny_model(recipe.model.name):
+        from rlctl.inference.processes import PRIVATE_UMASK
         from rlctl.inference.server import user_cache_dir
 
-        build_tiny_model(run.model, seed=recipe.model.build_seed, name=recipe.model.name,
-                         cache_dir=user_cache_dir("tiny-models", "RLCTL_TINY_MODEL_CACHE"))
+        umask = os.umask(PRIVATE_UMASK)  # the run's files are the owner's only, as everything else in it
+        try:
+            build_tiny_model(run.model, seed=recipe.model.build_seed, name=recipe.model.name,
+                             cache_dir=user_cache_dir("tiny-models", "RLCTL_TINY_MODEL_CACHE"))
+        finally:
+            os.umask(umask)

@@ -37,9 +37,9 @@ def pool_job(recipe, profile, placement) -> tuple[Placement, list[JobGroup]]:
 
 def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | None = None):
     """Start pool `name` (default: the recipe's name), or a new attempt of a stopped pool of that name."""
-    from rlctl.launchers.launch import (check_run_name, check_submitter, claim_run_dir, load_for_launch,
-                                        output_root, output_root_origin, run_lock, start_attempt)
-    from rlctl.launchers.status import run_state
+    from rlctl.launchers.launch import (check_run_name, check_submitter, claim_run_dir, load_for_launch, run_lock,
+                                        start_attempt)
+    from rlctl.launchers.status import output_root, output_root_origin, run_state
 
     recipe, profile, placement, _ = load_for_launch(refs, overrides, cluster)
     if recipe.deployment.inference_pool:

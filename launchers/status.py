@@ -93,6 +93,26 @@ def load_manifest(run_dir: Path | str) -> tuple[dict | None, str]:
     return data, ""
 
 
+def output_root(recipe, profile) -> Path:
+    """Where `rlctl launch` writes: `deployment.output_dir`, else $RLCTL_OUTPUT_DIR, else the profile's
+    shared filesystem, else ./runs (`default_root` looks run names up in the same order)."""
+    return Path(_output_root_setting(recipe, profile)[0]).expanduser().absolute()
+
+
+def output_root_origin(recipe, profile) -> str:
+    """Where `output_root` took its folder from: the key a message about that folder names."""
+    return _output_root_setting(recipe, profile)[1]
+
+
+def _output_root_setting(recipe, profile) -> tuple[str, str]:
+    for value, origin in ((recipe.deployment.output_dir, "deployment.output_dir"),
+                          (os.environ.get("RLCTL_OUTPUT_DIR"), "RLCTL_OUTPUT_DIR"),
+                          (profile.shared_fs, f"cluster profile '{profile.name}': shared_fs")):
+        if value:
+            return value, origin
+    return "runs", "deployment.output_dir (unset: ./runs)"
+
+
 def default_root(profile: str | None = None) -> Path:
     """Where run names are looked up: $RLCTL_OUTPUT_DIR, else the profile's shared filesystem, else
     ./runs — the order `rlctl launch` picks its output root in (after `deployment.output_dir`)."""

@@ -309,3 +309,23 @@ def test_an_interrupt_never_leaves_a_started_run_unrecorded_nor_a_claimed_name_b
     with pytest.raises(KeyboardInterrupt):  # still interrupted, once the run is recorded
         launch_module.launch(*args, cluster="local", name="late")
     assert json.loads((tmp_path / "late" / "run.json").read_text())["supervisor_pid"] == 4242424
+
+
+def test_the_built_tiny_model_is_the_owners_only_whatever_the_umask(tmp_path, monkeypatch):
+    import os
+
+    from rlctl.launchers.launch import _maybe_build_model
+    from rlctl.orchestrator.exchange.layout import RunDir
+    from rlctl.recipes.load import load_recipe
+
+    monkeypatch.setenv("RLCTL_TINY_MODEL_CACHE", str(tmp_path / "cache"))
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    old = os.umask(0o022)  # a user's usual umask: files would be 0644
+    try:
+        _maybe_build_model(run, load_recipe(["tiny-cpu"], []))
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in run.model.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o600"}, modes
+    assert oct(run.model.stat().st_mode & 0o777) == "0o700"
