@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
         interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="With --wait: give up after S seconds (exit 3)."),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of reward, step times and lag over steps."),
-        root: Optional[Path] = typer.Option(None, "--root", help="Output root to look up run names in (default ./runs)."),
+        root: Optional[Path] = typer.Option(None, "--root", help="Output root to look up run names in (default: $RLCTL_OUTPUT_DIR, else --profile's shared filesystem, else ./runs)."),
         profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
     ) -> None:
         """Show the state, progress and health of a run, or of a shared pool (live TUI by default)."""
@@ -226,7 +226,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @user_errors
     def runs(
-        root: Optional[Path] = typer.Option(None, "--root", help="Output root (default ./runs)."),
+        root: Optional[Path] = typer.Option(None, "--root", help="Output root (default: $RLCTL_OUTPUT_DIR, else --profile's shared filesystem, else ./runs)."),
         profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON list."),
     ) -> None:

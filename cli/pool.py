@@ -11,7 +11,7 @@ from rlctl.cli.common import print_json, user_errors
 pool_app = typer.Typer(help="Shared inference pools (one set of vLLM servers serving several runs).",
                        no_args_is_help=True, rich_markup_mode=None)
 
-ROOT_HELP = "Output root the pools live under (<root>/pools/; default: $RLCTL_OUTPUT_DIR, else ./runs)."
+ROOT_HELP = "Output root the pools live under (<root>/pools/; default: $RLCTL_OUTPUT_DIR, else --profile's shared filesystem, else ./runs)."
 
 
 def _root(root: Optional[Path], profile: Optional[str]) -> Path:
