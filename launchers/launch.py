@@ -131,8 +131,10 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
     if not local_model.is_absolute() and local_model.exists():
         recipe.model.name = str(local_model.resolve())
     from rlctl.orchestrator.datasets import check_dataset
+    from rlctl.orchestrator.references import check_code_references
 
     check_dataset(recipe.orchestrator)  # bad paths or columns fail here (exit 2); paths travel absolute
+    check_code_references(recipe.orchestrator)  # so do an unknown environment or reward function
     from rlctl.trainer.lora_config import check_launchable
 
     check_launchable(recipe)

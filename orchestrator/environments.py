@@ -143,6 +143,12 @@ MULTI_TURN_BUILTINS: dict[str, str] = {"tool_lookup": "rlctl.orchestrator.tool_e
                                          "verifiers": "rlctl.orchestrator.verifiers_environment:VerifiersEnvironment"}
 
 
+def unknown_environment(name: str) -> RecipeError:
+    allowed = ", ".join([*BUILTINS, *MULTI_TURN_BUILTINS, "dataset"])
+    return RecipeError(f"unknown environment {name!r} (built-ins: {allowed}; or 'module:Class')",
+                       key="orchestrator.environment.name")
+
+
 def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
     """Instantiate a built-in environment or `module:Class`; bad names/args raise a one-line RecipeError."""
     key = "orchestrator.environment.name"
@@ -163,7 +169,7 @@ def load_environment(name: str, args: dict[str, Any] | None = None) -> Environme
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             raise RecipeError(f"{name!r} is not a subclass of rlctl.orchestrator.environments.Environment", key=key)
     else:
-        raise RecipeError(f"unknown environment {name!r} (built-ins: {', '.join([*BUILTINS, *MULTI_TURN_BUILTINS])}; or 'module:Class')", key=key)
+        raise unknown_environment(name)
     try:
         return cls(**(args or {}))
     except TypeError as exc:

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from rlctl.recipes.base import StrictModel
+from rlctl.recipes.errors import RecipeError
 
 # The built-in reward functions (rlctl.orchestrator.reward_builtins), by the name a recipe uses.
 BUILTIN_REWARDS = {
@@ -13,6 +14,11 @@ BUILTIN_REWARDS = {
     "math": "rlctl.orchestrator.reward_builtins:math_answer",
     "code": "rlctl.orchestrator.reward_builtins:code_tests",
 }
+
+
+def unknown_reward(ref: str, key: str = "orchestrator.reward.function") -> RecipeError:
+    return RecipeError(f"unknown reward {ref!r} (built-ins: {', '.join(BUILTIN_REWARDS)}; or 'module:function')",
+                       key=key)
 
 
 class RewardConfig(StrictModel):

@@ -43,7 +43,8 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from rlctl.orchestrator.reward_config import BUILTIN_REWARDS, RewardConfig
+from rlctl.orchestrator.references import check_reward_dependencies
+from rlctl.orchestrator.reward_config import BUILTIN_REWARDS, RewardConfig, unknown_reward
 from rlctl.recipes.errors import RecipeError
 
 STARTUP_TIMEOUT_S = 120.0  # importing a heavy reward (sympy, a verifier's stack) on a loaded machine
@@ -79,9 +80,7 @@ class RewardScorer:
         if cfg.function:
             ref = BUILTIN_REWARDS.get(cfg.function, cfg.function)
             fn = import_reward(ref)
-            if cfg.function == "math" and not _importable("math_verify"):
-                raise RecipeError("the `math` reward needs the math-verify package "
-                                  "(pip install 'rlctl[workloads]')", key="orchestrator.reward.function")
+            check_reward_dependencies(cfg.function)
             try:
                 inspect.signature(fn).bind(None, "", **cfg.args)
             except TypeError as exc:
@@ -169,21 +168,11 @@ def _classify(exc: BaseException) -> tuple[str, str]:
     return kind, f"{type(exc).__name__}: {exc}"
 
 
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
-        return False
-
-
 def import_reward(ref: str, key: str = "orchestrator.reward.function") -> Callable:
     """The callable a `module:function` reference names (one-line RecipeError otherwise)."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
-        raise RecipeError(f"unknown reward {ref!r} (built-ins: {', '.join(BUILTIN_REWARDS)}; or 'module:function')",
-                          key=key)
+        raise unknown_reward(ref, key)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

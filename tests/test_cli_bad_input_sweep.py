@@ -166,3 +166,27 @@ def test_an_unusable_output_folder_names_the_setting_it_came_from(tmp_path, monk
         monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path / "unused"))
     _one_line_2(args, f"{key}: cannot create a run directory in {root}", "Not a directory")
     assert not_a_folder.read_text() == "x" and not (tmp_path / "unused").exists()
+
+
+# ---- code a recipe names: found at launch, before anything starts ---------------------------------
+@pytest.mark.parametrize("override,expect", [
+    ("orchestrator.environment.name=nosuchenv", "orchestrator.environment.name: unknown environment 'nosuchenv'"),
+    ("orchestrator.environment.name=no_such_module:Env",
+     "orchestrator.environment.name: cannot import module 'no_such_module'"),
+    ("orchestrator.environment.args={length=3}", "orchestrator.environment.args: bad arguments for environment"),
+    ("orchestrator.reward.function=nosuchreward", "orchestrator.reward.function: unknown reward 'nosuchreward'"),
+    ("orchestrator.reward.function=no_such_module:score",
+     "orchestrator.reward.function: cannot import module 'no_such_module'"),
+])
+def test_launch_refuses_code_references_it_cannot_find(override, expect, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
+    _one_line_2(["launch", "tiny-cpu", "--dry-run", "-o", override], expect)
+    assert not any(tmp_path.iterdir())
+
+
+def test_launch_takes_code_references_it_can_find(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
+    r = runner.invoke(app, ["launch", "tiny-cpu", "--dry-run", "--name", "ok",
+                            "-o", "orchestrator.environment.name=rlctl.orchestrator.environments:CountAEnvironment",
+                            "-o", "orchestrator.reward.function=exact_match"])
+    assert r.exit_code == 0 and "nothing started" in r.output, r.output
