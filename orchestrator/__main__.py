@@ -161,13 +161,18 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
 
     def save_progress(step: int, state: dict) -> None:
         """State after batch `step` = checkpoint part `step + 1`; written before the batch itself."""
-        from rlctl.orchestrator.exchange.checkpoints import newest_complete, prune_progress, save_orchestrator_state
+        from rlctl.orchestrator.exchange.checkpoints import save_orchestrator_state
 
         counters = {k: base_counters.get(k, 0) + v for k, v in state["counters"].items()}
         save_orchestrator_state(run.checkpoints, step + 1, {**state, "counters": counters})
-        # the trainer's next checkpoint (periodic or on preemption) is at a step it has not trained yet,
-        # so never below the version the servers serve: older parts without a trainer part are dead (with
-        # checkpoint.interval = 0 they piled up, one per step)
+        prune_dead_progress()
+
+    def prune_dead_progress() -> None:
+        """The trainer's next checkpoint (periodic, on preemption, or none after the last step) is at a
+        step it has not trained yet, so never below the version the servers serve: older parts without a
+        trainer part are dead (with checkpoint.interval = 0 they piled up, one per step)."""
+        from rlctl.orchestrator.exchange.checkpoints import newest_complete, prune_progress
+
         prune_progress(run.checkpoints, max(newest_complete(run.checkpoints) or 0, policy.version))
 
     from rlctl.orchestrator.monitoring import OrchestratorMonitor
@@ -202,6 +207,7 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
                 raise OrchestratorError(f"trainer did not publish weights/step_{end_step} within "
                                          f"{cfg.final_weights_timeout_s:g} s (orchestrator.final_weights_timeout_s)")
             await asyncio.sleep(0.1)
+        prune_dead_progress()  # the last batches' parts: the trainer trained them all
         if evaluator is not None:  # the final policy's evaluation, before DONE stops the servers
             await evaluator.finish(end_step)
         await monitor.finish(end_step - 1)

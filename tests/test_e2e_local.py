@@ -35,6 +35,9 @@ def test_tiny_recipe_learns_locally_and_leaves_nothing_behind(tiny_cpu_run):
     assert (run / "DONE").exists()
     # retention: weights.keep_last (2) steps + 1 a server may load; batches covered by checkpoint step_80 gone
     assert len(list((run / "weights").glob("step_*"))) <= 3 and not list((run / "rollouts").glob("step_*"))
+    # checkpoint.keep_last (2) complete checkpoints, and no orchestrator part the trainer did not join
+    parts = {p.name: sorted(q.name for q in p.iterdir()) for p in (run / "checkpoints").glob("step_*")}
+    assert parts == {"step_60": ["orchestrator", "trainer"], "step_80": ["orchestrator", "trainer"]}, parts
     assert leftover_processes(run) == []
     # the servers reloaded sharded publishes: what they read is reported, one step's shards per reload
     read = [r["weight_reload_bytes"] for r in orch if r.get("weight_reload_bytes")]
