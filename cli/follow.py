@@ -9,7 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-ENDED = ("completed", "failed", "cancelled", "lost")
+from rlctl.launchers.status import DRY_RUN, ENDED
+
 # run.json is replaced atomically and never removed while a run exists: missing this long, the run
 # directory was deleted or moved, and nothing is left to follow (the wait would never end)
 GONE_S = 10.0
@@ -132,6 +133,6 @@ def verdict(summary: dict) -> str:
     """`finished`, or the state in capitals with the launcher's exit code when it had one."""
     if summary["state"] == "completed" and not summary["stalled"]:
         return "finished"
-    word = {"cancelled": "CANCELLED", "lost": "LOST"}.get(summary["state"], "FAILED")
+    word = {"cancelled": "CANCELLED", "lost": "LOST", DRY_RUN: "NOT STARTED (a dry run)"}.get(summary["state"], "FAILED")
     code = summary.get("exit_code")
     return word + (f", launcher exit code {code}" if isinstance(code, int) and code != 0 else "")

@@ -17,6 +17,7 @@ BLOCKS = "▁▂▃▄▅▆▇█"
 STATE_STYLE = {
     "running": "bold green", "completed": "bold cyan", "pending": "yellow", "starting": "yellow",
     "failed": "bold red", "lost": "bold red", "cancelled": "magenta", "unknown": "dim", "stalled": "bold red",
+    "dry-run": "dim",
 }
 # (metrics key, label, plan key whose prediction goes next to the measured median)
 SPARK_ROWS = (

@@ -305,7 +305,7 @@ def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = Fa
             folder = run.root / "submitit" / f"attempt_{attempt}"
             atomic_write_bytes(result.script, render_het_script(
                 groups, folder, shlex_python(), **_het_script_options(run, name, attempt, recipe, extra_env)).encode())
-        atomic_write_json(run.manifest, info)
+        atomic_write_json(run.manifest, {**info, "dry_run": True})  # `manifest` starts a real attempt without it
         return result
     _maybe_build_model(run, recipe)
     held = profile.scheduler == "slurm" and prepare is not None

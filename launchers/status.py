@@ -20,7 +20,10 @@ from pathlib import Path
 from rlctl.orchestrator.exchange.procstat import HAVE_PROC, start_epoch
 from rlctl.recipes.errors import RecipeError
 
-ENDED = ("completed", "failed", "cancelled", "lost")
+# "dry-run": `launch --dry-run` wrote the run directory and started nothing (`rlctl resume` starts it);
+# nothing of it runs, so it ends a `--wait` and holds no lock, like the states of a run that ended.
+DRY_RUN = "dry-run"
+ENDED = ("completed", "failed", "cancelled", "lost", DRY_RUN)
 DEFAULT_STALL_TIMEOUT_S = 1800.0  # monitoring.stall_timeout_s when the manifest has none
 # A supervisor ended by these signals (or exit codes 128+sig) was cancelled, not failed.
 CANCEL_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
@@ -209,7 +212,9 @@ def run_state(run_dir: Path | str) -> RunStatus:
         done=(run_dir / "DONE").exists(),
         stall_timeout_s=float((recipe.get("monitoring") or {}).get("stall_timeout_s") or DEFAULT_STALL_TIMEOUT_S),
     )
-    if status.scheduler == "slurm":
+    if manifest.get("dry_run"):
+        status.state, status.reason = DRY_RUN, f"nothing was started (`rlctl resume {status.name}` starts it)"
+    elif status.scheduler == "slurm":
         _slurm_state(status, manifest.get("groups") or [])
     else:
         _local_state(status, run_dir / "status")

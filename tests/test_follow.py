@@ -71,3 +71,18 @@ def test_logs_put_each_header_on_its_own_line(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["logs", str(run), "--attempt", "0"])
     assert r.exit_code == 0, r.output
     assert "leaked 3 instances\n==> logs/attempt_0/trainer/trainer.0.log <==\ntrained\n" in r.output, r.output
+
+
+def test_a_dry_run_is_shown_as_one_and_ends_a_wait(tmp_path, monkeypatch):
+    """`launch --dry-run` starts nothing: `runs`/`monitor` said "pending, launcher starting" and
+    `monitor --wait` waited forever. It is a state of its own, which `rlctl resume` starts."""
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
+    runner = CliRunner()
+    assert runner.invoke(app, ["launch", "tiny-cpu", "--dry-run", "--name", "d"]).exit_code == 0
+    r = runner.invoke(app, ["monitor", "d", "--json"])
+    state = json.loads(r.output)
+    assert state["state"] == "dry-run" and "rlctl resume d" in state["reason"], state
+    r = runner.invoke(app, ["monitor", "d", "--wait", "--timeout", "30"])
+    assert r.exit_code == 1, r.output  # ended at once: not the --timeout (3)
+    summary = follow_module.follow(tmp_path / "d", quiet=True, interval=0.05, timeout=30)
+    assert follow_module.verdict(summary) == "NOT STARTED (a dry run)" and not summary.get("timed_out")
