@@ -71,8 +71,11 @@ def srun_line(group: JobGroup, folder: Path, python: str, het: bool = True) -> s
 SUPERVISOR = r"""
 log() { echo "[rlctl $(date +%H:%M:%S)] $*"; }
 rc_final=0; deadline=0; stopping=0; preempting=0; requeueing=0; sleeper=""; term_cause=""; declare -A ended=()
-term_running() {  # TERM every step still running, without waiting
+term_running() {  # TERM the tasks of every step still running, without waiting. Through scancel: it
+  # signals the tasks and leaves their steps running (the trainer checkpoints in the grace period); a TERM
+  # to srun itself makes srun kill its step at once (SIGKILL a second later). srun only if scancel fails.
   local i
+  timeout 20 scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null && return 0
   for i in "${!pids[@]}"; do [[ -z ${ended[$i]:-} ]] && kill -TERM "${pids[$i]}" 2>/dev/null; done
 }
 stop_running() {

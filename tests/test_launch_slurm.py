@@ -16,6 +16,7 @@ import pytest
 from e2e_checks import wait_for
 from rlctl.launchers.env import expand_nodelist
 from rlctl.launchers.slurm_state import component_states, job_finished
+from rlctl.orchestrator.exchange.checkpoints import is_complete
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -150,6 +151,21 @@ def test_killing_one_group_ends_the_whole_job_at_once(vslurm, tmp_path, slurm_jo
     batch_log = next((run / "logs" / "latest").glob("slurm-*.out")).read_text()
     assert "group trainer step exited with code" in batch_log and "asking the other groups to stop" in batch_log
     assert "grace period over" not in batch_log
+    wait_for(lambda: not processes_of(run), 30, "every process of the run to exit")
+
+
+def test_when_a_group_fails_the_trainer_checkpoints_in_the_grace_period(vslurm, tmp_path, slurm_jobs):
+    """The others are told to stop through their tasks (TERM): the trainer saves the step it is on. A TERM
+    to their srun instead made srun kill its step a second later, with no checkpoint."""
+    info, _ = launch_json(tmp_path, slurm_jobs, "-o", "deployment.trainer_nodes=1", "-o", "deployment.smoke.steps=400",
+                          "-o", "deployment.smoke.step_s=0.5", "-o", "checkpoint.interval=100",
+                          "-o", "deployment.grace_period_s=60", "-o", "deployment.smoke.fail_group=inference",
+                          "-o", "deployment.smoke.fail_after_s=8")
+    run = Path(info["run_dir"])
+    wait_for(lambda: job_finished(component_states(info["job_id"])), 50, "the job to end before its grace period")
+    trainer_log = (run / "logs" / "latest" / "trainer" / "trainer.0.log").read_text()
+    assert "(SIGTERM)" in trainer_log and "checkpoint step_" in trainer_log, trainer_log
+    assert any(is_complete(run / "checkpoints", int(p.name[5:])) for p in (run / "checkpoints").glob("step_*"))
     wait_for(lambda: not processes_of(run), 30, "every process of the run to exit")
 
 
