@@ -5,7 +5,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from rlctl.recipes.base import MAX_GPUS_PER_NODE, Count, Delay, NodeCount, PositiveCount, RunName, Seconds, StrictModel
+from rlctl.recipes.base import (MAX_GPUS_PER_NODE, Count, Delay, NodeCount, PositiveCount, RunName, Seconds, SlurmTime,
+                                StrictModel)
 
 
 class ClusterConfig(StrictModel):
@@ -32,7 +33,7 @@ class GroupResources(StrictModel):
     """Memory per node in GiB."""
     gpus_per_node: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_NODE)] | None = None
     """GPUs requested per node (default: what the placement uses; 0 requests none)."""
-    time_limit: str | None = None
+    time_limit: SlurmTime | None = None
     """Time limit of this group (default: `deployment.time_limit`)."""
 
 
@@ -78,8 +79,8 @@ class DeploymentConfig(StrictModel):
     """With 'auto' splits: nodes to use in all (default: every node of the profile)."""
     orchestrator_placement: Literal["auto", "cpu_partition", "inference_node"] = "auto"
     """Where router + orchestrator run: a CPU partition if the profile has one, else beside inference."""
-    time_limit: str = "24:00:00"
-    """Slurm time limit of the job (HH:MM:SS or D-HH:MM:SS)."""
+    time_limit: SlurmTime = "24:00:00"
+    """Slurm time limit of the job (MM, HH:MM:SS, D-HH:MM:SS, ... or UNLIMITED)."""
     grace_period_s: Count = 120
     """After a component fails the others are asked to stop (SIGTERM: the trainer saves a checkpoint first); seconds they get before being killed. Also how long the others get to exit after the orchestrator finishes."""
     max_restarts: Count = 3

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from rlctl.recipes.errors import RecipeError
+
 DEFAULT_MODULES = {
     "orchestrator": "rlctl.orchestrator",
     "inference": "rlctl.inference",
@@ -117,3 +119,16 @@ def components(groups: list[JobGroup]) -> list[list[JobGroup]]:
     for g in sorted(groups, key=lambda g: (g.het_index, g.shares_component)):
         out.setdefault(g.het_index, []).append(g)
     return [out[k] for k in sorted(out)]
+
+
+def check_preempt_signal(signal_s: int, groups: list[JobGroup]) -> None:
+    """Slurm sends USR2 `preempt_signal_s` before the time limit: at or past a group's whole limit it
+    comes as the job starts, and the run checkpoints and requeues at once, again and again."""
+    from rlctl.recipes.plan_extras import slurm_seconds
+
+    for group in groups:
+        limit = slurm_seconds(group.time_limit)
+        if limit is not None and signal_s >= limit:
+            raise RecipeError(f"{signal_s} s before the {group.name} group's time limit ({group.time_limit}) is before it "
+                              "starts: the run would checkpoint and requeue at once; allowed: less than the time limit, "
+                              "more than a trainer step plus a checkpoint", key="deployment.preempt_signal_s")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from rlctl.launchers.groups import JobGroup, build_groups
+from rlctl.launchers.groups import JobGroup, build_groups, check_preempt_signal
 from rlctl.launchers.status import output_root, output_root_origin
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import DIR_MODE, atomic_write_bytes, atomic_write_json, private_dir
@@ -148,6 +148,8 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
         raise RecipeError("orchestrator_placement is 'cpu_partition' but the profile has no cpu partition",
                           key="deployment.orchestrator_placement")
     groups = build_groups(recipe, profile, placement)
+    if profile.scheduler == "slurm":
+        check_preempt_signal(recipe.deployment.preempt_signal_s, groups)  # the batch script's USR2
     if recipe.deployment.inference_pool:  # served by a shared pool: the job holds no servers
         from rlctl.launchers.attach import attached_groups
 

@@ -1,10 +1,11 @@
 """Shared pieces of the recipe schema: the strict base model, bounded number types, the `auto` degree."""
 from __future__ import annotations
 
+import datetime
 import functools
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 AUTO = "auto"
 # Run names become directory names, Slurm job names and lines of the batch script: a safe alphabet only.
@@ -14,6 +15,17 @@ RunName = Annotated[str, Field(pattern=RUN_NAME_PATTERN, max_length=100)]
 # A duration that bounds a wait: finite and > 0 (nan never times out and spins, inf never ends, 0 or
 # less fails at once). Every timeout of the recipe has this type.
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+def _time_of_day_as_duration(value):
+    """TOML reads a bare `01:30:00` (`-o deployment.time_limit=01:30:00`) as a time of day: the
+    HH:MM:SS it was meant as."""
+    return value.strftime("%H:%M:%S") if isinstance(value, datetime.time) else value
+
+
+SLURM_TIME_ALLOWED = "a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
+SLURM_TIME_PATTERN = r"^((\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE)$"
+SlurmTime = Annotated[str, BeforeValidator(_time_of_day_as_duration), Field(pattern=SLURM_TIME_PATTERN, max_length=40)]
 # A delay that may be zero (smoke test pacing), but never nan, inf or negative.
 Delay = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
@@ -83,4 +95,4 @@ def field_docs(model: type) -> dict[str, str]:
 
 __all__ = ["AUTO", "Count", "Degree", "Delay", "Fraction", "MAX_COUNT", "MAX_GPUS_PER_NODE", "MAX_NODES",
            "MAX_TOKENS", "NodeCount", "NonNegative", "Positive", "PositiveCount", "RUN_NAME_ALLOWED",
-           "RUN_NAME_PATTERN", "RunName", "Seconds", "StrictModel", "Tokens", "Field", "field_docs"]
+           "RUN_NAME_PATTERN", "RunName", "SLURM_TIME_ALLOWED", "SLURM_TIME_PATTERN", "Seconds", "SlurmTime", "StrictModel", "Tokens", "Field", "field_docs"]

@@ -39,10 +39,12 @@ def format_validation_error(err, prefix: str = "") -> str:
     elif kind == "value_error":  # a validator's own message, without pydantic's "Value error, " in front
         msg = str((first.get("ctx") or {}).get("error") or msg)
     elif kind == "string_pattern_mismatch":
-        from rlctl.recipes.base import RUN_NAME_ALLOWED, RUN_NAME_PATTERN
+        from rlctl.recipes.base import RUN_NAME_ALLOWED, RUN_NAME_PATTERN, SLURM_TIME_ALLOWED, SLURM_TIME_PATTERN
 
-        if (first.get("ctx") or {}).get("pattern") == RUN_NAME_PATTERN:  # not a regex to decode: what is allowed
-            msg = f"allowed: {RUN_NAME_ALLOWED}"
+        pattern = (first.get("ctx") or {}).get("pattern")  # not a regex to decode: what is allowed
+        allowed = {RUN_NAME_PATTERN: RUN_NAME_ALLOWED, SLURM_TIME_PATTERN: SLURM_TIME_ALLOWED}.get(pattern)
+        if allowed:
+            msg = f"allowed: {allowed}"
     value = first.get("input")
     return f"{key}: {msg} (got {'a table' if isinstance(value, dict) else _short_repr(value)})"
 

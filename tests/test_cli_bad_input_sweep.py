@@ -190,3 +190,27 @@ def test_launch_takes_code_references_it_can_find(tmp_path, monkeypatch):
                             "-o", "orchestrator.environment.name=rlctl.orchestrator.environments:CountAEnvironment",
                             "-o", "orchestrator.reward.function=exact_match"])
     assert r.exit_code == 0 and "nothing started" in r.output, r.output
+
+
+# ---- Slurm time limits ------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ['"banana"', '"1:2:3:4"', '"-5"'])
+def test_a_time_limit_slurm_would_refuse_is_one_line(value):
+    _one_line_2(["plan", "tiny-cpu", "-o", f"deployment.time_limit={value}"],
+                "deployment.time_limit: allowed: a Slurm time limit: MM, MM:SS, HH:MM:SS")
+
+
+def test_a_bare_hh_mm_ss_override_is_the_time_limit_it_reads_as(tmp_path):
+    r = runner.invoke(app, ["launch", "smoke", "-c", "vslurm", "--dry-run", "-o", f"deployment.output_dir={tmp_path}",
+                            "-o", "deployment.time_limit=01:30:00"])  # TOML: a time of day, not a string
+    assert r.exit_code == 0, r.output
+    assert "#SBATCH --time=01:30:00" in next(tmp_path.glob("*/sbatch/attempt_0.sh")).read_text()
+
+
+def test_a_preemption_signal_at_or_before_the_start_is_refused(tmp_path):
+    """USR2 `preempt_signal_s` before a 2-minute limit came as the job started: it checkpointed and
+    requeued at once, every attempt, and never trained."""
+    args = ["launch", "smoke", "-c", "vslurm", "--dry-run", "-o", f"deployment.output_dir={tmp_path}",
+            "-o", 'deployment.time_limit="00:02:00"']
+    _one_line_2(args, "deployment.preempt_signal_s: 300 s before the orchestrator group's time limit (00:02:00)")
+    assert not any(tmp_path.iterdir())
+    assert runner.invoke(app, [*args, "-o", "deployment.preempt_signal_s=60"]).exit_code == 0
