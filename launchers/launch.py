@@ -315,7 +315,7 @@ def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = Fa
         if profile.scheduler == "slurm":
             if not held:
                 commit()
-            result.job_id, result.script = _submit(run, attempt, recipe, groups, extra_env, held, info, previous)
+            result.job_id, result.script = _submit(run, attempt, recipe, groups, extra_env, held, previous)
             info["job_id"] = result.job_id
             if held:
                 try:
@@ -340,10 +340,11 @@ def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = Fa
     return result
 
 
-def _submit(run: RunDir, attempt: int, recipe, groups, extra_env, hold: bool, info: dict,
+def _submit(run: RunDir, attempt: int, recipe, groups, extra_env, hold: bool,
             previous: dict | None) -> tuple[str, Path]:
     """Submit the het job of this attempt; (job id, script). On a refusal the run keeps the manifest
-    of its previous attempt (plus the error), so it still reads as that attempt."""
+    of its previous attempt (plus the error), so it still reads as that attempt; a new run gets none,
+    so `launch` removes its directory (nothing ran: the name is free for the corrected launch)."""
     import io
 
     from submitit.core.utils import FailedJobError
@@ -360,8 +361,10 @@ def _submit(run: RunDir, attempt: int, recipe, groups, extra_env, hold: bool, in
             job = executor.submit_groups({g.name: ComponentTask(g, str(run.root), attempt) for g in groups})
     except FailedJobError as e:
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        atomic_write_json(run.manifest, {**(previous or info), "submit_error": "\n".join(lines)})
         first = lines[0].removeprefix("sbatch: error: ") if lines else str(e)
+        if previous is None:
+            raise RecipeError(f"sbatch refused the job: {first} (`--dry-run` writes the script it was given)") from None
+        atomic_write_json(run.manifest, {**previous, "submit_error": "\n".join(lines)})
         raise RecipeError(f"sbatch refused the job: {first} (script: {script})") from None
     return job.job_id, script
 

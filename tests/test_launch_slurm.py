@@ -206,6 +206,8 @@ def test_a_job_sbatch_refuses_is_one_line_and_exit_2(vslurm, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert "sbatch refused the job: invalid partition" in out.stderr
+    # nothing ran: no run directory is left to show as pending forever, the name is free again
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
 
 
 def test_submission_command_drops_inherited_slurm_variables(vslurm, tmp_path, monkeypatch):
