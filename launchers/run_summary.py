@@ -23,6 +23,10 @@ ERROR_RE = re.compile(r"error|traceback|killed|out of memory|\bdied\b|exited wit
 # EngineDeadError as its engine goes away, a lost peer) is shutdown, not failure.
 SHUTDOWN_RE = re.compile(r"rlctl\.inference\[\d+\]: (run finished|stop requested), stopping the server"
                          r"|\[trainer [\d:]+\] preemption requested \(SIGTERM\)")
+# A line vLLM logged below ERROR (`(APIServer pid=N) WARNING 12-05 18:15:37 [file.py:N] ...`): its ulimit
+# warning mentions "fd limit errors like OSError" on every Slurm run. (rlctl's own warnings, a failed
+# request being retried, stay: they are what a failure looks like from the other side.)
+BELOW_ERROR_RE = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(DEBUG|INFO|WARNING) \d\d-\d\d [\d:]+ \[")
 # The local supervisor's bookkeeping (launchers/local.py): the culprit entry says it better.
 BOOKKEEPING_RE = re.compile(r"\] \S+ rank \d+ exited with code -?\d+$")
 # inference/__main__.py:_fail repeats the server's last lines after its message: already in the log above.
@@ -202,8 +206,8 @@ def log_errors(run_dir: Path | str, attempt: int | None = None, limit: int = 8, 
         mine = cause is not None and path == cause["log"]
         if completed or (cause is not None and not mine):
             lines = _before_shutdown(lines)
-        hits = [line.strip() for line in _without_repeats(lines)
-                if ERROR_RE.search(line) and not (cause and BOOKKEEPING_RE.search(line.strip()))]
+        hits = [line.strip() for line in _without_repeats(lines) if ERROR_RE.search(line)
+                and not BELOW_ERROR_RE.match(line.strip()) and not (cause and BOOKKEEPING_RE.search(line.strip()))]
         entries = [{"file": str(path.relative_to(folder)), "line": line[:300]} for line in hits[-per_file:]]
         (own if mine else found).extend(entries)
     if cause is None:

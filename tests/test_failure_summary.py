@@ -23,6 +23,10 @@ HEALTHY = {
     "orchestrator.0": ["[orchestrator 12:00:05] step 3 reward=0.41 rollouts/s=38.0"],
     "inference.0": ["rlctl.inference[0]: starting (generate): vllm serve /run/model --port 8000",
                     "INFO 05-01 12:00:02 [api_server.py:1000] Starting vLLM API server",
+                    # a warning that mentions errors is not one (it was listed on every Slurm run)
+                    "(APIServer pid=24610) WARNING 12-05 18:15:37 [system_utils.py:255] Found ulimit of 20000 and "
+                    "failed to automatically increase with error current limit exceeds maximum limit. This can "
+                    "cause fd limit errors like `OSError: [Errno 24] Too many open files`.",
                     "rlctl.inference[0]: ready at http://127.0.0.1:8000 after 12.0 s (healthy at 11.0 s, first request 1.0 s)"],
     "trainer.0": ["[trainer 12:00:06] step 3 loss=0.5000 entropy=1.2 step=0.800s"],
     "trainer.1": [],  # only rank 0 logs
