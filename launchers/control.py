@@ -58,6 +58,12 @@ def _cancel(run: RunDir, timeout: float) -> str:
         from rlctl.launchers.slurm_state import component_states, job_finished
         from rlctl.launchers.het_script import strip_slurm_env
 
+        def summary(states: dict) -> str:
+            return ", ".join(f"+{k} {v['state']}" for k, v in sorted(states.items()))
+
+        before = component_states(job)
+        if before and job_finished(before):  # scancel of an ended job succeeds and does nothing
+            return f"run {run.root.name} is not running (job {job} already ended: {summary(before)})"
         env = {k: v for k, v in os.environ.items() if k not in strip_slurm_env(dict(os.environ))}
         out = subprocess.run(["scancel", str(job)], capture_output=True, text=True, env=env)
         if out.returncode != 0:
@@ -66,8 +72,7 @@ def _cancel(run: RunDir, timeout: float) -> str:
         while time.time() < deadline:
             states = component_states(job)
             if not states or job_finished(states):
-                summary = ", ".join(f"+{k} {v['state']}" for k, v in sorted(states.items()))
-                return f"cancelled job {job} ({summary})"
+                return f"cancelled job {job} ({summary(states)})"
             time.sleep(0.5)
         return f"scancel sent to job {job}; it has not ended after {timeout:g}s"
     sup = _supervisor(run)

@@ -181,6 +181,8 @@ def test_cancel_ends_the_job_and_leaves_no_process(vslurm, tmp_path, slurm_jobs)
     wait_for(lambda: not processes_of(run), 30, "every process of the run to exit")
     logs = rlctl("logs", str(run), "orchestrator")
     assert logs.returncode == 0 and "smoke orchestrator rank 0" in logs.stdout
+    again = rlctl("cancel", str(run))  # an ended job: said so, not "cancelled" a second time
+    assert again.returncode == 0 and f"is not running (job {job} already ended: +0 CANCELLED" in again.stdout, again
 
 
 def test_dry_run_writes_a_valid_sbatch_script_and_submits_nothing(vslurm, tmp_path, slurm_jobs):
