@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 
 SLURM_TIMEOUT_S = 10.0
 
@@ -30,13 +31,23 @@ STATES = {
 ACTIVE_STATES = tuple(raw for raw, ours in STATES.items() if ours in ("pending", "running"))
 
 
+# After a command timed out (the controller or the accounting daemon is down), it is not asked again for
+# this long: `rlctl runs` over 36 Slurm runs waited 10 s for each of them, 6 minutes with nothing shown.
+UNREACHABLE_S = 30.0
+_timed_out: dict[str, float] = {}  # command -> when it last timed out (monotonic)
+
+
 def _run(cmd: list[str]) -> tuple[str | None, str]:
     """(stdout, "") on success, (None, why) when the command is missing, fails or times out."""
     if shutil.which(cmd[0]) is None:
         return None, f"{cmd[0]} not found"
+    since = _timed_out.get(cmd[0])
+    if since is not None and time.monotonic() - since < UNREACHABLE_S:
+        return None, f"{cmd[0]} timed out after {SLURM_TIMEOUT_S:.0f}s a moment ago (Slurm not answering)"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        _timed_out[cmd[0]] = time.monotonic()
         return None, f"{cmd[0]} timed out after {SLURM_TIMEOUT_S:.0f}s"
     except OSError as e:
         return None, f"{cmd[0]}: {e}"

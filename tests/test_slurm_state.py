@@ -2,6 +2,7 @@
 het executor, whatever squeue/sacct say (faked here; the virtual cluster tests cover the real ones)."""
 from __future__ import annotations
 
+from rlctl.launchers import slurm_state
 from rlctl.launchers.status import run_state
 from rlctl.orchestrator.exchange.files import atomic_write_json
 
@@ -46,3 +47,26 @@ def test_one_slurm_reader_preempted_is_an_end_state_everywhere(tmp_path, monkeyp
     status = run_state(run)
     assert status.state == "pending" and status.components[0].restarts == 1
     assert not job_finished(component_states("77")) and run_active(RunDir(run))
+
+
+def test_a_slurm_command_that_timed_out_is_not_asked_again_at_once(monkeypatch):
+    """With the controller down every query waits SLURM_TIMEOUT_S: `rlctl runs` over 36 runs showed nothing
+    for 6 minutes. After one timeout the same command answers at once for a while."""
+    import subprocess
+
+    calls = []
+
+    def hangs(cmd, **kwargs):
+        calls.append(cmd[0])
+        raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+
+    monkeypatch.setattr(slurm_state, "_timed_out", {})
+    monkeypatch.setattr(slurm_state.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(slurm_state.subprocess, "run", hangs)
+    first = slurm_state._run(["squeue", "-j", "1"])
+    later = [slurm_state._run(["squeue", "-j", str(j)]) for j in range(2, 30)]
+    assert first[0] is None and "timed out" in first[1]
+    assert calls == ["squeue"] and all(out is None and "not answering" in why for out, why in later)
+    monkeypatch.setattr(slurm_state, "UNREACHABLE_S", 0.0)  # once it has passed, asked again
+    slurm_state._run(["squeue", "-j", "1"])
+    assert calls == ["squeue", "squeue"]
