@@ -129,10 +129,30 @@ def exit_code(summary: dict) -> int:
     return 0 if summary["state"] == "completed" and not summary["stalled"] else 1
 
 
+def end_report(final: dict, logs: Path) -> list[str]:
+    """What `--wait` prints when a run ended (or stalled): the reward, why it stalled or was lost, its
+    last errors (what failed, without opening the logs), and the verdict with the exit code."""
+    rc = exit_code(final)
+    lines = []
+    if final.get("reward_mean") is not None:
+        lines.append(f"final reward mean {final['reward_mean']:.3f} (first {final['reward_first']:.3f}) "
+                     f"after {final['steps_done']} step(s)")
+    if final["stalled"]:
+        from rlctl.launchers.run_summary import stall_message
+
+        lines.append(f"run {final['name']} {stall_message(final)} (still running; `rlctl cancel` stops it)")
+    if rc != 0 and final["state"] == "lost" and final.get("reason"):
+        lines.append(f"run {final['name']} lost: {final['reason']}")
+    if rc != 0 and final.get("errors"):
+        lines.append("last errors in the logs:\n" + "\n".join(f"  {e['file']}: {e['line']}" for e in final["errors"]))
+    return [*lines, f"run {verdict(final)} (exit code {rc}); logs: {logs}"]
+
+
 def verdict(summary: dict) -> str:
     """`finished`, or the state in capitals with the launcher's exit code when it had one."""
     if summary["state"] == "completed" and not summary["stalled"]:
         return "finished"
-    word = {"cancelled": "CANCELLED", "lost": "LOST", DRY_RUN: "NOT STARTED (a dry run)"}.get(summary["state"], "FAILED")
+    words = {"cancelled": "CANCELLED", "lost": "LOST", DRY_RUN: "NOT STARTED (a dry run)"}
+    word = "STALLED" if summary["stalled"] else words.get(summary["state"], "FAILED")
     code = summary.get("exit_code")
     return word + (f", launcher exit code {code}" if isinstance(code, int) and code != 0 else "")

@@ -106,27 +106,15 @@ def launch_cmd(
 def follow_run(result, as_json: bool) -> int:
     """--wait of `launch` and `resume`: follow the started attempt with progress until it ends (or a
     component stalls); its exit code."""
-    from rlctl.cli.follow import Detached, exit_code, follow_or_detach, verdict
+    from rlctl.cli.follow import Detached, end_report, exit_code, follow_or_detach
 
     try:
         final = follow_or_detach(result.run.root, result.name, quiet=as_json, interval=2.0 if result.job_id else 0.5)
     except Detached as e:
         return e.code
-    rc = exit_code(final)
     if not as_json:
-        if final.get("reward_mean") is not None:
-            typer.echo(f"final reward mean {final['reward_mean']:.3f} (first {final['reward_first']:.3f}) "
-                       f"after {final['steps_done']} step(s)")
-        if final["stalled"]:
-            from rlctl.launchers.run_summary import stall_message
-
-            typer.echo(f"run {final['name']} {stall_message(final)} (still running; `rlctl cancel` stops it)")
-        if rc != 0 and final["state"] == "lost" and final.get("reason"):
-            typer.echo(f"run {final['name']} lost: {final['reason']}")
-        if rc != 0 and final.get("errors"):  # what failed, without opening the logs
-            typer.echo("last errors in the logs:\n" + "\n".join(f"  {e['file']}: {e['line']}" for e in final["errors"]))
-        typer.echo(f"run {verdict(final)} (exit code {rc}); logs: {result.run.logs / 'latest'}")
-    return rc
+        typer.echo("\n".join(end_report(final, result.run.logs / "latest")))
+    return exit_code(final)
 
 
 def cancel_cmd(run: str = typer.Argument(..., help="Run directory or run name."),

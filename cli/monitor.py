@@ -212,14 +212,13 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(summary)
         if wait:
-            if summary["state"] == "lost" and summary.get("reason"):
-                typer.echo(f"{summary['name']}: lost: {summary['reason']}", err=True)
-            if summary["stalled"]:
-                from rlctl.launchers.run_summary import stall_message
+            if summary.get("timed_out"):
+                raise typer.Exit(EXIT_TIMEOUT)
+            if not as_json:  # as `launch --wait` ends: the reward, the last errors, the verdict
+                from rlctl.cli.follow import end_report
 
-                typer.echo(f"{summary['name']}: {stall_message(summary)}", err=True)
-                raise typer.Exit(EXIT_RUN_FAILED)
-            raise typer.Exit(EXIT_TIMEOUT if summary.get("timed_out") else _exit_code(summary["state"]))
+                typer.echo("\n".join(end_report(summary, run_dir / "logs" / "latest")))
+            raise typer.Exit(EXIT_RUN_FAILED if summary["stalled"] else _exit_code(summary["state"]))
         if not (once or as_json or plot is not None):
             raise typer.Exit(_exit_code(summary["state"]))
 

@@ -85,8 +85,10 @@ def test_stale_heartbeat_is_stalled_and_wait_exits_1_naming_it(cli, tmp_path):
     started = time.monotonic()
     result = cli("monitor", run.root, "--wait", "--interval", "0.1", "--timeout", "30")
     assert result.exit_code == 1 and time.monotonic() - started < 10
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("hb: stalled: trainer (no progress for") and "monitoring.stall_timeout_s = 2" in last
+    said = result.stdout.strip().splitlines()  # as `launch --wait` ends: why, then the verdict
+    assert any(line.startswith("run hb stalled: trainer (no progress for") and "monitoring.stall_timeout_s = 2" in line
+               for line in said), said
+    assert said[-1].startswith("run STALLED (exit code 1)"), said
 
     screen = cli("monitor", run.root, "--once").stdout
     assert "stalled" in screen and "trainer" in screen
