@@ -138,14 +138,17 @@ class ComponentTask:
         self.attempt = attempt
 
     def __call__(self) -> dict:
+        from rlctl.orchestrator.exchange.files import atomic_write_json, private_dir
         from rlctl.orchestrator.exchange.layout import RunDir
 
         # a requeued job runs the same pickles as its next attempt (the batch script exports it)
         attempt = int(os.environ.get("RLCTL_ATTEMPT", self.attempt))
         env = slurm_task_env(self.group, self.run_dir, attempt)
         rank = int(env["RLCTL_RANK"])
-        log = RunDir(Path(self.run_dir)).log_path(attempt, self.group.name, f"{self.group.name}.{rank}")
+        run = RunDir(Path(self.run_dir))
+        log = run.log_path(attempt, self.group.name, f"{self.group.name}.{rank}")
         os.umask(PRIVATE_UMASK)  # the batch script sets it too; this task may run without it
+        started = time.time()
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab", buffering=0) as out:
             child = subprocess.Popen(component_command(self.group.module, self.run_dir),
@@ -162,6 +165,14 @@ class ComponentTask:
         while exit_status(child) is None:  # not wait(): the child's session is swept below, before reaping
             time.sleep(0.5)
         rc = stop_process_group(child, 0)  # what the component left running (e.g. its vLLM server) goes too
+        # the exit as the local supervisor records it, with the attempt: the failure summary names the
+        # task that failed first from these (a task srun kills after it records nothing)
+        record = {"pid": child.pid, "state": "exited", "returncode": rc, "host": socket.gethostname(),
+                  "started": started, "ended": time.time(), "attempt": attempt}
+        try:
+            atomic_write_json(private_dir(run.status) / f"{self.group.name}.{self.group.name}.{rank}.json", record)
+        except OSError:
+            pass  # a summary without its cause, not a task that fails for it
         if rc != 0:
             raise RuntimeError(f"{self.group.name} rank {rank} on {socket.gethostname()} exited with {rc}; log: {log}")
         return {"group": self.group.name, "rank": rank, "returncode": rc, "log": str(log)}

@@ -136,23 +136,24 @@ def _attempt_of(folder: Path) -> int | None:
 
 
 def culprit(run_dir: Path | str, folder: Path) -> dict | None:
-    """The task whose abnormal exit ended the attempt whose logs are in `folder`, from the local
-    supervisor's status files (`status/<group>.<component>.<rank>.json`: returncode, ended): the
+    """The task whose abnormal exit ended the attempt whose logs are in `folder`, from the status files
+    the local supervisor or (Slurm) each task's wrapper writes (`status/<group>.<component>.<rank>.json`:
+    returncode, ended, on Slurm the attempt): the
     earliest non-zero exit. The others' exits follow it (the supervisor SIGTERMs them; a peer fails
     on the lost connection), so their log lines are consequences, however many and however late.
     Exits within TIE_S of the first are told apart by: not a stop code, then the log last written
     first (a killed process writes nothing more; a peer that reacts writes its traceback after).
     None for a cancelled attempt, without status files of this attempt, or when nothing failed."""
-    status = Path(run_dir) / "status"
+    status, attempt = Path(run_dir) / "status", _attempt_of(folder)
     sup = read_json_record(status / "supervisor.json")
-    if sup is None or sup.get("state") == "cancelled" or sup.get("attempt") not in (None, _attempt_of(folder)):
+    if sup is not None and (sup.get("state") == "cancelled" or sup.get("attempt") not in (None, attempt)):
         return None
-    since = epoch(sup.get("started"))
+    since = epoch(sup.get("started")) if sup is not None else None
     exits = []
     for path in status.glob("*.json"):
         record = read_json_record(path) if path.name != "supervisor.json" else None
-        if record is None:
-            continue
+        if record is None or (sup is None and record.get("attempt") != attempt):
+            continue  # without a supervisor (Slurm) the task wrappers' records carry their attempt
         rc, ended, started = record.get("returncode"), epoch(record.get("ended")), epoch(record.get("started"))
         if type(rc) is not int or rc == 0 or ended is None:
             continue
@@ -162,8 +163,8 @@ def culprit(run_dir: Path | str, folder: Path) -> dict | None:
         log = folder / group / f"{component}.log"
         exits.append({"component": path.stem, "group": group, "rank": component.rpartition(".")[2],
                       "returncode": rc, "ended": ended, "log": log, "mtime": _mtime(log)})
-    if not exits:
-        return None
+    if not exits or (sup is None and all(e["returncode"] in CANCEL_CODES for e in exits)):
+        return None  # nothing failed, or (Slurm) every task was told to stop: a cancel
     first = min(e["ended"] for e in exits)
     tied = [e for e in exits if e["ended"] <= first + TIE_S]
     return min(tied, key=lambda e: (e["returncode"] in CANCEL_CODES,  # told to stop: a consequence

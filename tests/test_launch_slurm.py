@@ -166,6 +166,10 @@ def test_when_a_group_fails_the_trainer_checkpoints_in_the_grace_period(vslurm, 
     trainer_log = (run / "logs" / "latest" / "trainer" / "trainer.0.log").read_text()
     assert "(SIGTERM)" in trainer_log and "checkpoint step_" in trainer_log, trainer_log
     assert any(is_complete(run / "checkpoints", int(p.name[5:])) for p in (run / "checkpoints").glob("step_*"))
+    # the failure summary names the task that failed first, from its wrapper's record, not a bystander
+    errors = json.loads(rlctl("monitor", str(run), "--json").stdout)["errors"]
+    assert errors[0]["line"] == "inference rank 0 failed first: exited with code 3", errors  # its own code
+    assert any("failing on purpose" in e["line"] for e in errors[1:]), errors
     wait_for(lambda: not processes_of(run), 30, "every process of the run to exit")
 
 
