@@ -24,6 +24,9 @@ from rlctl.recipes.errors import RecipeError
 # nothing of it runs, so it ends a `--wait` and holds no lock, like the states of a run that ended.
 DRY_RUN = "dry-run"
 ENDED = ("completed", "failed", "cancelled", "lost", DRY_RUN)
+# Slurm end states that are not the run's own failure, as the run's reason
+SLURM_ENDS = {"PREEMPTED": "preempted and not requeued", "TIMEOUT": "the time limit was reached (deployment.time_limit)",
+              "NODE_FAIL": "a node failed", "OUT_OF_MEMORY": "a task ran out of memory (deployment.<group>.mem_gib)"}
 DEFAULT_STALL_TIMEOUT_S = 1800.0  # monitoring.stall_timeout_s when the manifest has none
 # A supervisor ended by these signals (or exit codes 128+sig) was cancelled, not failed.
 CANCEL_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
@@ -381,8 +384,10 @@ def _slurm_state(status: RunStatus, groups: list[dict]) -> None:
         status.state = "cancelled"
     elif "failed" in states:
         status.state = "failed"
-        if any(c["state"] == "PREEMPTED" for c in comps.values()):
-            status.reason = "preempted and not requeued (`rlctl resume` continues from the newest checkpoint)"
+        raw = {c["state"] for c in comps.values()}
+        why = [text for state, text in SLURM_ENDS.items() if state in raw]
+        if why:  # not the run's own failure: Slurm ended it
+            status.reason = f"{'; '.join(why)} (`rlctl resume {status.name}` continues from the newest checkpoint)"
         _explain_failure(status)
     elif status.done:
         status.state = "completed"

@@ -38,7 +38,11 @@ def test_one_slurm_reader_preempted_is_an_end_state_everywhere(tmp_path, monkeyp
     # preempted and not requeued: squeue no longer lists it, sacct's newest record says PREEMPTED
     _fake_slurm(monkeypatch, "", "77|rlctl-p|PREEMPTED|0:15|node1|2024-01-01T00:00:00|2024-01-01T00:10:00\n")
     status = run_state(run)
-    assert status.state == "failed" and "preempted" in status.reason
+    assert status.state == "failed" and "preempted" in status.reason and "rlctl resume p" in status.reason
+    _fake_slurm(monkeypatch, "", "77|rlctl-p|TIMEOUT|0:15|node1|2024-01-01T00:00:00|2024-01-01T00:10:00\n")
+    status = run_state(run)  # the time limit ended it: said, with how to go on (it was a bare "failed")
+    assert status.state == "failed" and status.reason.startswith("the time limit was reached"), status.reason
+    _fake_slurm(monkeypatch, "", "77|rlctl-p|PREEMPTED|0:15|node1|2024-01-01T00:00:00|2024-01-01T00:10:00\n")
     assert job_finished(component_states("77")) and not run_active(RunDir(run))
     # preempted and requeued: a new record, PENDING in squeue — pending everywhere, and a restart
     _fake_slurm(monkeypatch, "77|PENDING|(null)|BeginTime\n",
