@@ -25,8 +25,9 @@ from rlctl.recipes.errors import RecipeError
 DRY_RUN = "dry-run"
 ENDED = ("completed", "failed", "cancelled", "lost", DRY_RUN)
 # Slurm end states that are not the run's own failure, as the run's reason
-SLURM_ENDS = {"PREEMPTED": "preempted and not requeued", "TIMEOUT": "the time limit was reached (deployment.time_limit)",
-              "NODE_FAIL": "a node failed", "OUT_OF_MEMORY": "a task ran out of memory (deployment.<group>.mem_gib)"}
+SLURM_ENDS = {"PREEMPTED": "preempted and not requeued",
+              "TIMEOUT": "the time limit was reached (deployment.time_limit)", "NODE_FAIL": "a node failed",
+              "OUT_OF_MEMORY": "a task ran out of memory (deployment.<group>.mem_gib)"}
 DEFAULT_STALL_TIMEOUT_S = 1800.0  # monitoring.stall_timeout_s when the manifest has none
 # A supervisor ended by these signals (or exit codes 128+sig) was cancelled, not failed.
 CANCEL_CODES = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
