@@ -62,6 +62,10 @@ def _resources(recipe, profile, name: str, partition: str | None, ntasks_per_nod
     gpus_req = res.gpus_per_node if res.gpus_per_node is not None else gpus
     if not profile.gres_gpu:
         gpus_req = 0
+    elif gpus_req > profile.gpus_per_node:  # sbatch's "Requested node configuration is not available"
+        raise RecipeError(f"asks for {gpus_req} GPUs per node; cluster profile '{profile.name}' has "
+                          f"{profile.gpus_per_node} (allowed: 0-{profile.gpus_per_node})",
+                          key=f"deployment.{name}.gpus_per_node")
     return JobGroup(
         name=name,
         het_index=het_index,

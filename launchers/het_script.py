@@ -225,6 +225,10 @@ if (( RESTARTS > 0 )); then
     *) exit 1 ;;
   esac
   export RLCTL_RESUME_STEP
+  # `#SBATCH --output` names the first attempt's folder: this attempt's lines go to its own
+  attempt_log="$RLCTL_RUN_DIR/logs/attempt_${RLCTL_ATTEMPT}/slurm-${SLURM_JOB_ID}.out"
+  echo "[rlctl] restart ${RESTARTS}/${MAX_RESTARTS}: attempt ${RLCTL_ATTEMPT}, continued in ${attempt_log}"
+  exec >>"$attempt_log" 2>&1
   echo "[rlctl] restart ${RESTARTS}/${MAX_RESTARTS}: attempt ${RLCTL_ATTEMPT}, resume step '${RLCTL_RESUME_STEP}'"
 fi
 """

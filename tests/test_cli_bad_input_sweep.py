@@ -214,3 +214,11 @@ def test_a_preemption_signal_at_or_before_the_start_is_refused(tmp_path):
     _one_line_2(args, "deployment.preempt_signal_s: 300 s before the orchestrator group's time limit (00:02:00)")
     assert not any(tmp_path.iterdir())
     assert runner.invoke(app, [*args, "-o", "deployment.preempt_signal_s=60"]).exit_code == 0
+
+
+def test_more_gpus_per_node_than_the_profile_has_is_refused_naming_the_key(tmp_path):
+    # sbatch said "Requested node configuration is not available", naming no key, after a run directory
+    _one_line_2(["launch", "smoke", "-c", "vslurm", "--dry-run", "-o", f"deployment.output_dir={tmp_path}",
+                 "-o", "deployment.trainer.gpus_per_node=16"],
+                "deployment.trainer.gpus_per_node: asks for 16 GPUs per node; cluster profile 'vslurm' has 8")
+    assert not any(tmp_path.iterdir())

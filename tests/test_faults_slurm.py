@@ -65,6 +65,8 @@ def assert_resumed_cleanly(run: Path, job: str, resume_step: int) -> None:
     assert manifest["attempts"][-1]["resume_step"] == resume_step
     assert f"restart 1/2: attempt 1, resume step '{resume_step}'" in batch_log
     assert (run / "logs" / "latest").resolve().name == "attempt_1"
+    # the requeued attempt's batch-script lines are in its own folder (`rlctl logs RUN job` shows them)
+    assert "resume step" in (run / "logs" / "attempt_1" / f"slurm-{job}.out").read_text()
     assert any((run / "logs" / "attempt_1" / "trainer").glob("trainer.0.log"))
     squeue = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout
     assert squeue.strip() == "", squeue  # the allocation ended
