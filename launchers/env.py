@@ -128,6 +128,19 @@ def component_popen_options(run_dir: str) -> dict:
             "stdin": subprocess.DEVNULL}
 
 
+def task_status_path(run, group_name: str, rank: int) -> Path:
+    """`status/<group>.<group>.<rank>.json`: one task's start and exit, written by the local supervisor
+    and (Slurm) by each task's wrapper; the failure summary (`run_summary.culprit`) reads them."""
+    return run.status / f"{group_name}.{group_name}.{rank}.json"
+
+
+def task_record(*, attempt: int, pid: int | None, state: str, started: float | None,
+                returncode: int | None = None, ended: float | None = None) -> dict:
+    """The fields of a task status file; the attempt tells a requeued job's records apart."""
+    return {"pid": pid, "state": state, "returncode": returncode, "host": socket.gethostname(),
+            "started": started, "ended": ended, "attempt": attempt}
+
+
 class ComponentTask:
     """What each srun task runs (pickled by submitit): compute the env, run the component with its
     output in the run's log file, pass termination signals on, fail when the component fails."""
@@ -167,10 +180,11 @@ class ComponentTask:
         rc = stop_process_group(child, 0)  # what the component left running (e.g. its vLLM server) goes too
         # the exit as the local supervisor records it, with the attempt: the failure summary names the
         # task that failed first from these (a task srun kills after it records nothing)
-        record = {"pid": child.pid, "state": "exited", "returncode": rc, "host": socket.gethostname(),
-                  "started": started, "ended": time.time(), "attempt": attempt}
+        record = task_record(attempt=attempt, pid=child.pid, state="exited", started=started, returncode=rc,
+                             ended=time.time())
         try:
-            atomic_write_json(private_dir(run.status) / f"{self.group.name}.{self.group.name}.{rank}.json", record)
+            private_dir(run.status)
+            atomic_write_json(task_status_path(run, self.group.name, rank), record)
         except OSError:
             pass  # a summary without its cause, not a task that fails for it
         if rc != 0:

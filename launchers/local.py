@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,8 @@ from pathlib import Path
 from rlctl.inference.processes import (PRIVATE_UMASK, ask_process_groups_to_stop, exit_status, private_umask,
                                        python_module_argv, stop_process_groups)
 from rlctl.inference.server import free_port
-from rlctl.launchers.env import component_command, component_env, component_popen_options
+from rlctl.launchers.env import (component_command, component_env, component_popen_options, task_record,
+                                 task_status_path)
 from rlctl.launchers.groups import JobGroup
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import FILE_MODE, atomic_write_json, private_dir
@@ -93,7 +93,7 @@ class Task:
     def __init__(self, run: RunDir, attempt: int, group: JobGroup, rank: int, master_port: int,
                  threads: int = 1):
         self.group, self.rank = group, rank
-        self.status_path = status_dir(run) / f"{group.name}.{group.name}.{rank}.json"
+        self.status_path = task_status_path(run, group.name, rank)
         self.log = run.log_path(attempt, group.name, f"{group.name}.{rank}")
         self.env = component_env(
             run_dir=str(run.root), attempt=attempt, group=group.name, rank=rank,
@@ -104,8 +104,7 @@ class Task:
             self.env["OMP_NUM_THREADS"] = str(threads)
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
-        self.info = {"pid": None, "state": "starting", "returncode": None, "host": socket.gethostname(),
-                     "started": None, "ended": None}
+        self.info = task_record(attempt=attempt, pid=None, state="starting", started=None)
 
     def start(self, run: RunDir) -> None:
         out = open_log(self.log)
