@@ -24,8 +24,11 @@ def _time_of_day_as_duration(value):
 
 
 SLURM_TIME_ALLOWED = "a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
-SLURM_TIME_PATTERN = r"^((\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE)$"
-SlurmTime = Annotated[str, BeforeValidator(_time_of_day_as_duration), Field(pattern=SLURM_TIME_PATTERN, max_length=40)]
+# [D-]A[:B[:C]]: the parser (plan_extras.slurm_seconds) reads its groups with this same pattern
+SLURM_DURATION = r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?"
+SLURM_TIME_PATTERN = rf"^(?:{SLURM_DURATION}|UNLIMITED|INFINITE)$"
+SlurmTime = Annotated[str, BeforeValidator(_time_of_day_as_duration),
+                      Field(pattern=SLURM_TIME_PATTERN, max_length=40)]
 # A delay that may be zero (smoke test pacing), but never nan, inf or negative.
 Delay = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
@@ -95,4 +98,5 @@ def field_docs(model: type) -> dict[str, str]:
 
 __all__ = ["AUTO", "Count", "Degree", "Delay", "Fraction", "MAX_COUNT", "MAX_GPUS_PER_NODE", "MAX_NODES",
            "MAX_TOKENS", "NodeCount", "NonNegative", "Positive", "PositiveCount", "RUN_NAME_ALLOWED",
-           "RUN_NAME_PATTERN", "RunName", "SLURM_TIME_ALLOWED", "SLURM_TIME_PATTERN", "Seconds", "SlurmTime", "StrictModel", "Tokens", "Field", "field_docs"]
+           "RUN_NAME_PATTERN", "RunName", "SLURM_DURATION", "SLURM_TIME_ALLOWED", "SLURM_TIME_PATTERN", "Seconds",
+           "SlurmTime", "StrictModel", "Tokens", "Field", "field_docs"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import re
 
+from rlctl.recipes.base import SLURM_DURATION
 from rlctl.recipes.plan_sync import sync_warning
 
-SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+SLURM_TIME = re.compile(rf"^{SLURM_DURATION}$")
 
 
 def slurm_seconds(text: str) -> float | None:
