@@ -103,36 +103,36 @@ def load_manifest(run_dir: Path | str) -> tuple[dict | None, str]:
 def output_root(recipe, profile) -> Path:
     """Where `rlctl launch` writes: `deployment.output_dir`, else $RLCTL_OUTPUT_DIR, else the profile's
     shared filesystem, else ./runs (`default_root` looks run names up in the same order)."""
-    return Path(_output_root_setting(recipe, profile)[0]).expanduser().absolute()
+    return Path(_output_root_setting(recipe.deployment.output_dir, profile)[0]).expanduser().absolute()
 
 
 def output_root_origin(recipe, profile) -> str:
     """Where `output_root` took its folder from: the key a message about that folder names."""
-    return _output_root_setting(recipe, profile)[1]
-
-
-def _output_root_setting(recipe, profile) -> tuple[str, str]:
-    for value, origin in ((recipe.deployment.output_dir, "deployment.output_dir"),
-                          (os.environ.get("RLCTL_OUTPUT_DIR"), "RLCTL_OUTPUT_DIR"),
-                          (profile.shared_fs, f"cluster profile '{profile.name}': shared_fs")):
-        if value:
-            return value, origin
-    return "runs", "deployment.output_dir (unset: ./runs)"
+    return _output_root_setting(recipe.deployment.output_dir, profile)[1]
 
 
 def default_root(profile: str | None = None) -> Path:
-    """Where run names are looked up: $RLCTL_OUTPUT_DIR, else the profile's shared filesystem, else
-    ./runs — the order `rlctl launch` picks its output root in (after `deployment.output_dir`)."""
-    env = os.environ.get("RLCTL_OUTPUT_DIR")
-    if env:
-        return Path(env).expanduser()
-    if profile:
+    """Where run names are looked up: the order `rlctl launch` picks its output root in, without a
+    recipe's `deployment.output_dir`."""
+    return Path(_output_root_setting(None, profile)[0]).expanduser()
+
+
+def _output_root_setting(output_dir: str | None, profile) -> tuple[str, str]:
+    """The output root and the key it came from; `profile`: a loaded cluster profile, a profile name
+    (loaded only when the chain reaches it) or None."""
+    return next((value, origin) for value, origin in _output_root_chain(output_dir, profile) if value)
+
+
+def _output_root_chain(output_dir: str | None, profile):
+    yield output_dir, "deployment.output_dir"
+    yield os.environ.get("RLCTL_OUTPUT_DIR"), "RLCTL_OUTPUT_DIR"
+    if isinstance(profile, str):
         from rlctl.recipes.clusters import load_profile
 
-        shared = load_profile(profile).shared_fs
-        if shared:
-            return Path(shared).expanduser()
-    return Path("runs")
+        profile = load_profile(profile)
+    if profile is not None:
+        yield profile.shared_fs, f"cluster profile '{profile.name}': shared_fs"
+    yield "runs", "deployment.output_dir (unset: ./runs)"
 
 
 def _is_run(path: Path) -> bool:
