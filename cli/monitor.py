@@ -214,11 +214,11 @@ def register(app: typer.Typer) -> None:
         if wait:
             if summary.get("timed_out"):
                 raise typer.Exit(EXIT_TIMEOUT)
-            if not as_json:  # as `launch --wait` ends: the reward, the last errors, the verdict
-                from rlctl.cli.follow import end_report
+            from rlctl.cli.follow import end_report, exit_code
 
+            if not as_json:  # as `launch --wait` ends: the reward, the last errors, the verdict
                 typer.echo("\n".join(end_report(summary, run_dir / "logs" / "latest")))
-            raise typer.Exit(EXIT_RUN_FAILED if summary["stalled"] else _exit_code(summary["state"]))
+            raise typer.Exit(exit_code(summary))
         if not (once or as_json or plot is not None):
             raise typer.Exit(_exit_code(summary["state"]))
 
