@@ -87,34 +87,44 @@ def launch_cmd(
             time.sleep(0.2)
     rows = _group_rows(result, states)
     rewind = result.extra.get("rewind")  # --resume of an existing run
+    submission = None
     if as_json:
-        print_json({"run_dir": str(result.run.root), "name": result.name, "scheduler": result.scheduler,
-                    "job_id": result.job_id, "attempt": result.attempt, "dry_run": result.dry_run,
-                    "script": str(result.script) if result.script else None,
-                    "supervisor_pid": result.supervisor_pid, "groups": rows,
-                    "trainer_degrees": result.extra.get("trainer_degrees"),
-                    **({"rewind": rewind.to_dict()} if rewind else {})})
+        submission = {"run_dir": str(result.run.root), "name": result.name, "scheduler": result.scheduler,
+                      "job_id": result.job_id, "attempt": result.attempt, "dry_run": result.dry_run,
+                      "script": str(result.script) if result.script else None,
+                      "supervisor_pid": result.supervisor_pid, "groups": rows,
+                      "trainer_degrees": result.extra.get("trainer_degrees"),
+                      **({"rewind": rewind.to_dict()} if rewind else {})}
     else:
         if rewind and not dry_run:
             typer.echo(rewind.describe())
         _print_summary(result, rows)
-    sys.stdout.flush()  # the summary must reach a pipe before --wait blocks
     if wait and not dry_run:
-        raise typer.Exit(follow_run(result, as_json))
+        raise typer.Exit(follow_run(result, submission))
+    if submission is not None:
+        print_json(submission)
 
 
-def follow_run(result, as_json: bool) -> int:
+def follow_run(result, submission: dict | None) -> int:
     """--wait of `launch` and `resume`: follow the started attempt with progress until it ends (or a
-    component stalls); its exit code."""
+    component stalls); its exit code. With --json (`submission`: what the command would print without
+    --wait) stdout gets one JSON object at the end: the submission with the run's `final` status (null
+    when the following was stopped) and the `exit_code`; two documents would break a parser."""
     from rlctl.cli.follow import Detached, end_report, exit_code, follow_or_detach
 
+    sys.stdout.flush()  # the summary must reach a pipe before --wait blocks
+    final = None
     try:
-        final = follow_or_detach(result.run.root, result.name, quiet=as_json, interval=2.0 if result.job_id else 0.5)
+        final = follow_or_detach(result.run.root, result.name, quiet=submission is not None,
+                                 interval=2.0 if result.job_id else 0.5)
+        code = exit_code(final)
     except Detached as e:
-        return e.code
-    if not as_json:
+        code = e.code
+    if submission is not None:
+        print_json({**submission, "final": final, "exit_code": code})
+    elif final is not None:
         typer.echo("\n".join(end_report(final, result.run.logs / "latest")))
-    return exit_code(final)
+    return code
 
 
 def cancel_cmd(run: str = typer.Argument(..., help="Run directory or run name."),

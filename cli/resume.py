@@ -1,7 +1,6 @@
 """`rlctl resume RUN`: continue a stopped run from its newest complete checkpoint (a new attempt)."""
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import typer
@@ -32,16 +31,18 @@ def resume_cmd(
         raise RecipeError(f"must be >= 0 (got {step})", key="--step")
     rd = RunDir(resolve_run(run))
     result, plan = resume(rd, step, Path(source) if source else None)
+    submission = None
     if as_json:
-        print_json({"run_dir": str(result.run.root), "attempt": result.attempt, "scheduler": result.scheduler,
-                    "job_id": result.job_id, "supervisor_pid": result.supervisor_pid, **plan.to_dict()})
+        submission = {"run_dir": str(result.run.root), "attempt": result.attempt, "scheduler": result.scheduler,
+                      "job_id": result.job_id, "supervisor_pid": result.supervisor_pid, **plan.to_dict()}
     else:
         typer.echo(plan.describe())
         who = f"job {result.job_id}" if result.job_id else f"local supervisor pid {result.supervisor_pid}"
         typer.echo(f"attempt {result.attempt} started: {who}; logs: {result.run.logs / 'latest'}")
-    sys.stdout.flush()
     if wait:
-        raise typer.Exit(follow_run(result, as_json))
+        raise typer.Exit(follow_run(result, submission))
+    if submission is not None:
+        print_json(submission)
 
 
 def register(app: typer.Typer) -> None:

@@ -38,6 +38,8 @@ def statuses(run: Path) -> dict[str, dict]:
 def test_local_run_follows_the_env_contract_with_logs_and_status(tmp_path):
     out, run = launch(tmp_path, "--wait")
     assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)  # --wait --json: one document, at the end, with the run's final status
+    assert info["run_dir"] == str(run) and info["final"]["state"] == "completed" and info["exit_code"] == 0
     recs = {p.stem: json.loads(p.read_text()) for p in (run / "smoke").glob("*.json")}
     assert sorted(recs) == ["inference.0", "orchestrator.0", "trainer.0", "trainer.1"]
     tr = [recs["trainer.0"]["env"], recs["trainer.1"]["env"]]
