@@ -136,3 +136,23 @@ def check_preempt_signal(signal_s: int, groups: list[JobGroup]) -> None:
             raise RecipeError(f"{signal_s} s before the {group.name} group's time limit ({group.time_limit}) is before it "
                               "starts: the run would checkpoint and requeue at once; allowed: less than the time limit, "
                               "more than a trainer step plus a checkpoint", key="deployment.preempt_signal_s")
+
+
+def check_group_time_limits(signal_s: int, groups: list[JobGroup]) -> None:
+    """Slurm sends the preemption USR2 to the batch script only, before the limit of the component it
+    runs in (het index 0): a group whose own limit is shorter is killed at it without that signal, so
+    without the checkpoint and requeue the signal brings (the run just fails there)."""
+    from rlctl.recipes.plan_extras import slurm_seconds
+
+    if signal_s <= 0:
+        return
+    first = next(g for g in components(groups)[0] if not g.shares_component)
+    first_s = slurm_seconds(first.time_limit)
+    for group in groups:
+        limit = slurm_seconds(group.time_limit)
+        if limit is not None and (first_s is None or limit < first_s) and not group.shares_component:
+            raise RecipeError(
+                f"{group.time_limit} is shorter than the {first.name} group's limit ({first.time_limit}): Slurm "
+                "sends the preemption signal (deployment.preempt_signal_s) to the batch script before that limit "
+                f"only, so this group would be killed at its own without a checkpoint; allowed: at least "
+                f"{first.time_limit}", key=f"deployment.{group.name}.time_limit")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from rlctl.launchers.groups import JobGroup, build_groups, check_preempt_signal
+from rlctl.launchers.groups import JobGroup, build_groups, check_group_time_limits, check_preempt_signal
 from rlctl.launchers.status import output_root, output_root_origin
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import DIR_MODE, atomic_write_bytes, atomic_write_json, private_dir
@@ -154,6 +154,8 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
         from rlctl.launchers.attach import attached_groups
 
         groups = attached_groups(groups, profile.partitions.cpu)
+    if profile.scheduler == "slurm":
+        check_group_time_limits(recipe.deployment.preempt_signal_s, groups)
     return recipe, profile, placement, groups
 
 

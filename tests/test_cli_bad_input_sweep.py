@@ -216,6 +216,18 @@ def test_a_preemption_signal_at_or_before_the_start_is_refused(tmp_path):
     assert runner.invoke(app, [*args, "-o", "deployment.preempt_signal_s=60"]).exit_code == 0
 
 
+def test_a_group_time_limit_shorter_than_the_batch_scripts_is_refused(tmp_path):
+    """Only the batch script gets the preemption USR2, before its own component's limit: a group with a
+    shorter limit was killed at it without a checkpoint."""
+    args = ["launch", "smoke", "-c", "vslurm", "--dry-run", "-o", f"deployment.output_dir={tmp_path}",
+            "-o", 'deployment.time_limit="01:00:00"']
+    short = [*args, "-o", 'deployment.trainer.time_limit="30:00"']
+    _one_line_2(short, "deployment.trainer.time_limit: 30:00 is shorter than the orchestrator group's limit (01:00:00)")
+    assert not any(tmp_path.iterdir())
+    assert runner.invoke(app, [*args, "-o", "deployment.trainer.time_limit=UNLIMITED"]).exit_code == 0
+    assert runner.invoke(app, [*short, "-o", "deployment.preempt_signal_s=0"]).exit_code == 0  # nothing to miss
+
+
 def test_more_gpus_per_node_than_the_profile_has_is_refused_naming_the_key(tmp_path):
     # sbatch said "Requested node configuration is not available", naming no key, after a run directory
     _one_line_2(["launch", "smoke", "-c", "vslurm", "--dry-run", "-o", f"deployment.output_dir={tmp_path}",
