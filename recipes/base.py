@@ -11,7 +11,14 @@ AUTO = "auto"
 # Run names become directory names, Slurm job names and lines of the batch script: a safe alphabet only.
 RUN_NAME_ALLOWED = "letters, digits, '.', '_' and '-' (not starting with '.'), at most 100 characters"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$"
-RunName = Annotated[str, Field(pattern=RUN_NAME_PATTERN, max_length=100)]
+
+
+def _digits_as_name(value):
+    """`-o deployment.inference_pool=5` reads as the integer 5, yet `5` is a name `--name 5` accepts."""
+    return str(value) if type(value) is int else value
+
+
+RunName = Annotated[str, BeforeValidator(_digits_as_name), Field(pattern=RUN_NAME_PATTERN, max_length=100)]
 # A duration that bounds a wait: finite and > 0 (nan never times out and spins, inf never ends, 0 or
 # less fails at once). Every timeout of the recipe has this type.
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]

@@ -180,3 +180,11 @@ def test_launch_placement_of_an_attached_gpu_run_has_no_inference_nodes():
 def test_bad_pool_name_is_one_line(plan_cli):
     code, out = plan_cli("recipes/tiny-cpu.toml", "-o", f"{KEY}=../x")
     assert code == 2 and KEY in out and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_a_pool_named_like_a_number_is_the_name_pool_launch_printed():
+    """`rlctl pool launch ... --name 5` says to attach with `-o deployment.inference_pool=5`, which the
+    override parser reads as the integer 5: it was refused as "not a valid string"."""
+    rec = load_recipe([str(RECIPES / "tiny-cpu.toml")], [f"{KEY}=5"])
+    assert rec.deployment.inference_pool == "5"
+    assert load_recipe([str(RECIPES / "tiny-cpu.toml")], [f"{KEY}=007"]).deployment.inference_pool == "007"
