@@ -33,7 +33,7 @@ class OrchestratorConfig(StrictModel):
     """Completions sampled per prompt; advantages are relative to the group mean, so a group of one
     has advantage 0 and teaches nothing: at least 2."""
     max_tokens: Tokens = 1024
-    """Maximum generated tokens per rollout (per turn for multi-turn environments)."""
+    """Maximum generated tokens per rollout (per turn for multi-turn environments); at most `inference.max_model_len`."""
     max_turns: Annotated[int, Field(ge=1, le=1 << 16)] = 1
     """Multi-turn environments: generated turns per trajectory at most (single-turn ones generate one)."""
     max_trajectory_tokens: Tokens | None = None

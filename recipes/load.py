@@ -140,15 +140,17 @@ def validate(data: dict):
     """Validate a raw dict into a Recipe, raising a one-line RecipeError on the first problem."""
     from pydantic import ValidationError
 
-    from rlctl.recipes.schema import Recipe
+    from rlctl.recipes.schema import Recipe, check_lengths
 
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as e:
         e._rlctl_model = Recipe
         raise RecipeError(format_validation_error(e)) from None
     except RecursionError:  # e.g. orchestrator.environment.args: free-form, so any depth parses
         raise RecipeError(f"recipe is {TOO_DEEP}") from None
+    check_lengths(recipe)
+    return recipe
 
 
 def load_recipe(refs: Iterable[str], overrides: Iterable[str] = ()):

@@ -314,9 +314,6 @@ def build_report(recipe, profile, size_attached=None):
     shape = (o.rollouts_per_step, mean, completion, in_flight, o.rollouts_per_step * mean)
     errors: list[str] = []
     warnings: list[str] = [assumed] if assumed else []
-    if o.max_tokens > recipe.inference.max_model_len:
-        warnings.append(f"orchestrator.max_tokens={o.max_tokens} exceeds inference.max_model_len="
-                        f"{recipe.inference.max_model_len}; rollouts will be truncated")
 
     attached = None
     if size_attached is not None:  # a shared pool serves the rollouts

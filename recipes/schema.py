@@ -8,6 +8,7 @@ from rlctl.launchers.config import CheckpointConfig, ClusterConfig, DeploymentCo
 from rlctl.orchestrator.config import OrchestratorConfig
 from rlctl.orchestrator.exchange.config import WeightsConfig
 from rlctl.recipes.base import Count, RunName, StrictModel
+from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.config import TrainerConfig
 
 
@@ -52,3 +53,18 @@ class Recipe(StrictModel):
     """Published policy weights."""
     monitoring: MonitoringConfig = MonitoringConfig()
     """Logging and metrics."""
+
+
+def check_lengths(recipe: Recipe) -> None:
+    """Completion lengths the servers can grant: vLLM refuses every request whose `max_tokens` exceeds
+    `inference.max_model_len` (a longer prompt only shortens the completion), so such a run would
+    start, then fail on its first request or, for evaluation, skip every evaluation."""
+    limit = recipe.inference.max_model_len
+    evaluation = recipe.orchestrator.eval
+    lengths = [("orchestrator.max_tokens", recipe.orchestrator.max_tokens)]
+    if evaluation is not None and evaluation.max_tokens is not None:
+        lengths.append(("orchestrator.eval.max_tokens", evaluation.max_tokens))
+    for key, tokens in lengths:
+        if tokens > limit:
+            raise RecipeError(f"{tokens} exceeds inference.max_model_len={limit}, which vLLM refuses for every "
+                              f"request; allowed: at most {limit}", key=key)

@@ -325,3 +325,14 @@ def test_pipeline_parallelism_is_refused_with_the_reason(tmp_path):
     recipe.write_text('[model]\nname = "qwen3-4b"\n[trainer]\npp = 2\n')
     _one_line_2(["plan", str(recipe)], why)
     assert load_recipe(["qwen3-4b"], ["trainer.pp=1"]).trainer.pp == 1
+
+
+@pytest.mark.parametrize("override,key", [
+    ("orchestrator.max_tokens=1000", "orchestrator.max_tokens: 1000 exceeds inference.max_model_len=64"),
+    ("orchestrator.eval.max_tokens=65", "orchestrator.eval.max_tokens: 65 exceeds inference.max_model_len=64"),
+])
+def test_a_completion_longer_than_the_model_len_is_refused(override, key):
+    """vLLM refuses every request asking for more tokens than max_model_len: the run started, then failed
+    on its first request (or, for evaluation, skipped every one and still ended 'completed')."""
+    _one_line_2(["plan", "tiny-dataset-cpu", "-o", override], key)
+    assert runner.invoke(app, ["plan", "tiny-dataset-cpu", "-o", override.split("=")[0] + "=64"]).exit_code == 0
