@@ -27,6 +27,9 @@ SHUTDOWN_RE = re.compile(r"rlctl\.inference\[\d+\]: (run finished|stop requested
 # warning mentions "fd limit errors like OSError" on every Slurm run. (rlctl's own warnings, a failed
 # request being retried, stay: they are what a failure looks like from the other side.)
 BELOW_ERROR_RE = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(DEBUG|INFO|WARNING) \d\d-\d\d [\d:]+ \[")
+PROCESS_PREFIX_RE = re.compile(r"^\(\S+ pid=\d+\) ")
+TRACEBACK_RE = re.compile(r"^Traceback \(most recent call last\):$")
+CHAINED_RE = re.compile(r"^(The above exception was the direct cause|During handling of the above exception)")
 # The local supervisor's bookkeeping (launchers/local.py): the culprit entry says it better.
 BOOKKEEPING_RE = re.compile(r"\] \S+ rank \d+ exited with code -?\d+$")
 # inference/__main__.py:_fail repeats the server's last lines after its message: already in the log above.
@@ -111,6 +114,27 @@ def _without_repeats(lines: list[str]) -> list[str]:
         else:
             out.append(line)
     return out
+
+
+def _error_lines(lines: list[str]) -> list[str]:
+    """The lines that say something failed. In a Python traceback the frames (indented) never count,
+    though their code may read `raise self._error`, and the exception line that ends it always does,
+    though `RewardsFailing: 6 reward calls in a row failed` has no 'error' in it: it is the cause."""
+    hits, in_traceback = [], False
+    for line in lines:
+        text = line.strip()
+        body = PROCESS_PREFIX_RE.sub("", line, count=1)  # vLLM's `(EngineCore pid=N) ` before each line
+        if TRACEBACK_RE.match(body):
+            in_traceback = True
+        elif in_traceback:
+            if not body.strip() or body[:1].isspace() or CHAINED_RE.match(body):
+                continue  # a frame, or the line joining a chained exception to the next traceback
+            in_traceback = False
+            hits.append(text)
+            continue
+        if ERROR_RE.search(text) and not BELOW_ERROR_RE.match(text):
+            hits.append(text)
+    return hits
 
 
 def _mtime(path: Path) -> float:
@@ -207,8 +231,7 @@ def log_errors(run_dir: Path | str, attempt: int | None = None, limit: int = 8, 
         mine = cause is not None and path == cause["log"]
         if completed or (cause is not None and not mine):
             lines = _before_shutdown(lines)
-        hits = [line.strip() for line in _without_repeats(lines) if ERROR_RE.search(line)
-                and not BELOW_ERROR_RE.match(line.strip()) and not (cause and BOOKKEEPING_RE.search(line.strip()))]
+        hits = [line for line in _error_lines(_without_repeats(lines)) if not (cause and BOOKKEEPING_RE.search(line))]
         entries = [{"file": str(path.relative_to(folder)), "line": line[:300]} for line in hits[-per_file:]]
         (own if mine else found).extend(entries)
     if cause is None:

@@ -173,3 +173,21 @@ def test_no_cause_named(tmp_path, case):
     assert not any(e.get("cause") for e in errors), errors
     # without a cause the server's lines after its stop cannot be judged: shown unless the run completed
     assert any("EngineDeadError" in e["line"] for e in errors) == (case != "completed")
+
+
+def test_a_traceback_shows_its_exception_not_its_frames(tmp_path):
+    """A reward's `RewardsFailing: ...` (no 'error' in it) was left out, while the frame line
+    `raise self._error` was shown as the run's last error."""
+    tb = ["Traceback (most recent call last):", '  File "rlctl/orchestrator/loop.py", line 9, in run',
+          "    raise self._error", "TimeoutError", "",
+          "The above exception was the direct cause of the following exception:", "",
+          "Traceback (most recent call last):", '  File "rlctl/orchestrator/__main__.py", line 5, in main',
+          "    await loop.run()",
+          "rlctl.orchestrator.rewards.RewardsFailing: 6 reward calls in a row failed; last: no result within 2 s"]
+    run = make_run(tmp_path, [("orchestrator.0", 1, 7.0), ("trainer.0", 143, 13.0)], {**HEALTHY, "orchestrator.0": tb})
+    lines = [e["line"] for e in log_errors(run, ATTEMPT, per_file=3)]
+    assert lines[:4] == ["orchestrator rank 0 failed first: exited with code 1", "TimeoutError",
+                         "Traceback (most recent call last):",
+                         "rlctl.orchestrator.rewards.RewardsFailing: 6 reward calls in a row failed; last: no result "
+                         "within 2 s"], lines
+    assert not any("raise self._error" in line for line in lines)
