@@ -188,7 +188,8 @@ async def orchestrate(run: RunDir, recipe, router_url: str, server_urls: list[st
     try:
         if start_step < end_step:
             log(f"collecting batches {start_step}..{end_step - 1} via {router_url}")
-            settings = LoopSettings.from_config(cfg, start_step=start_step)
+            settings = LoopSettings.from_config(cfg, start_step=start_step,
+                                                context_tokens=recipe.inference.max_model_len)
             settings.max_steps = end_step - start_step
             settings.routed_experts = recipe.trainer.router_replay  # payload.routed_experts in every batch
             scorer = RewardScorer.build(cfg.reward, env, cfg.environment.name, cfg.environment.args)

@@ -85,17 +85,19 @@ class LoopSettings:
     routed_experts: bool = False  # router replay: keep the experts inference routed each token to
     max_turns: int = 1  # multi-turn environments: generated turns per trajectory
     max_trajectory_tokens: int | None = None  # tokens after the prompt; None = max_turns × max_tokens
+    context_tokens: int | None = None  # the servers' max_model_len: multi-turn contexts end there
 
     @classmethod
-    def from_config(cls, cfg, start_step: int = 0) -> "LoopSettings":
+    def from_config(cls, cfg, start_step: int = 0, context_tokens: int | None = None) -> "LoopSettings":
         return cls(cfg.rollouts_per_step, cfg.group_size, cfg.max_tokens, cfg.max_off_policy_steps, cfg.max_in_flight,
                    cfg.temperature, start_step, cfg.max_steps, cfg.normalize_advantages,
                    request_timeout_s=cfg.request_timeout_s, stream_interval=cfg.stream_interval, max_turns=cfg.max_turns,
-                   max_trajectory_tokens=cfg.max_trajectory_tokens)
+                   max_trajectory_tokens=cfg.max_trajectory_tokens, context_tokens=context_tokens)
 
     @property
     def budget(self) -> Budget:
-        return Budget(self.max_turns, self.max_tokens, self.max_trajectory_tokens or self.max_turns * self.max_tokens)
+        return Budget(self.max_turns, self.max_tokens, self.max_trajectory_tokens or self.max_turns * self.max_tokens,
+                      self.context_tokens)
 
     @property
     def groups_per_step(self) -> int:
@@ -268,7 +270,8 @@ class RolloutLoop:
             client = TokenClient(session, self.url, self.headers, self.policy, model=SERVED_MODEL_NAME,
                                  temperature=self.s.temperature, timeout_s=self.s.request_timeout_s,
                                  request_id=f"rlctl-g{group_id}-{index}", cache_salt=policy_cache_salt,
-                                 token_cache=self._token_cache, shared_turns=shared_turns)
+                                 token_cache=self._token_cache, shared_turns=shared_turns,
+                                 context_tokens=self.s.context_tokens)
             return Rollout.from_trajectory(group_id, index, await self.env.rollout(client, prompt, self.s.budget))
 
         tasks = [asyncio.create_task(one(i)) for i in range(self.s.group_size)]

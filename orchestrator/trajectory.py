@@ -32,6 +32,9 @@ class Budget:
     """Generated tokens per turn at most."""
     max_tokens: int
     """Tokens after the prompt at most (generated and environment tokens together)."""
+    context_tokens: int | None = None
+    """The servers' `max_model_len`: the prompt and every token after it together at most (a longer
+    context is refused by the server, so the trajectory ends there as at its budget)."""
 
 
 @dataclass
@@ -68,7 +71,10 @@ class Trajectory:
 
     @property
     def remaining_tokens(self) -> int:
-        return max(0, self.budget.max_tokens - self.tokens_used)
+        left = self.budget.max_tokens - self.tokens_used
+        if self.budget.context_tokens is not None and self.prompt_ids:  # known from the first turn on
+            left = min(left, self.budget.context_tokens - len(self.prompt_ids) - self.tokens_used)
+        return max(0, left)
 
     def can_generate(self) -> bool:
         return not self.truncated and self.turns < self.budget.max_turns and self.remaining_tokens > 0
@@ -137,7 +143,7 @@ class TokenClient:
 
     def __init__(self, session, url: str, headers: dict, policy, *, model: str, temperature: float,
                  timeout_s: float, request_id: str, cache_salt, token_cache: dict | None = None,
-                 shared_turns: "SharedTurns | None" = None):
+                 shared_turns: "SharedTurns | None" = None, context_tokens: int | None = None):
         self.session = session
         self.url = url
         self.headers = headers
@@ -150,6 +156,7 @@ class TokenClient:
         # Short tool outputs repeat across trajectories: the loop shares one cache among its clients.
         self._tokens = token_cache if token_cache is not None else {}
         self.shared_turns = shared_turns  # the group's trajectories share requests for their turns
+        self.context_tokens = context_tokens  # the servers' max_model_len, if known
         self._requests = 0
 
     def new_trajectory(self, prompt_text: str, budget: Budget) -> Trajectory:
@@ -207,6 +214,8 @@ class TokenClient:
         """The server's token ids of `text` alone (no special tokens), e.g. a tool's output. A text
         being tokenised already is awaited, not asked again: the group's trajectories then continue
         together and share their next turn's request."""
+        if not text:
+            return []  # the server refuses an empty prompt
         cached = self._tokens.get(text)
         if isinstance(cached, asyncio.Future):
             return list(await asyncio.shield(cached))
@@ -233,6 +242,10 @@ class TokenClient:
     async def _tokenize_request(self, text: str) -> list[int]:
         body = {"model": self.model, "prompt": text, "max_tokens": 0, "echo": True,
                 "return_token_ids": True, "add_special_tokens": False}
+        if self.context_tokens is not None:
+            # the server refuses a text longer than its context, and no trajectory can hold more than
+            # its first context - 1 tokens: those, which the trajectory then cuts to its budget
+            body.update(truncate_prompt_tokens=self.context_tokens - 1, truncation_side="right")
         async with self._post(body) as resp:
             await raise_for_status(resp)
             choices = (await resp.json()).get("choices") or []

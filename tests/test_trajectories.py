@@ -143,6 +143,26 @@ def test_trajectory_budgets():
         turns.add_turn(Segment([6], [-1.0], [0], True))
 
 
+def test_a_trajectory_ends_where_the_servers_context_does():
+    """A tool's long replies grew the context past max_model_len: the server refused the next turn (400)
+    and the run failed, although the budget (max_trajectory_tokens) still had room."""
+    traj = Trajectory("p", Budget(max_turns=9, max_tokens_per_turn=4, max_tokens=100, context_tokens=12),
+                      prompt_ids=[1, 2, 3])
+    assert traj.remaining_tokens == 9 and traj.next_turn_tokens() == 4
+    traj.add_turn(Segment([5, 6, 7, 8], [-1.0] * 4, [0] * 4, True))
+    assert not traj.add_environment(list(range(20, 30)))  # cut to the 5 tokens the context has left
+    assert len(traj.context_ids()) == 12 and not traj.can_generate() and traj.finish_reason == "budget"
+    # before the first turn the prompt's length is unknown: the server clamps that turn itself
+    assert Trajectory("p", Budget(1, 4, 100, context_tokens=2)).next_turn_tokens() == 4
+
+
+def test_an_empty_text_is_no_tokens_without_asking_the_server():
+    """The server refuses an empty prompt (400): a tool that replied nothing failed the run."""
+    client = TokenClient(None, "http://unused", {}, PolicyVersion(0), model="policy", temperature=1.0,
+                         timeout_s=1, request_id="t", cache_salt=str)
+    assert asyncio.run(client.tokenize("")) == []
+
+
 def _rollout(versions, mask, start_version=0, group_id=0):
     n = len(versions)
     return Rollout(group_id, 0, [1, 2], list(range(10, 10 + n)), [-0.5 if m else 0.0 for m in mask], versions,
