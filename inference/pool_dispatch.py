@@ -36,7 +36,7 @@ class PoolRun:
     adapter: str = SERVED_MODEL_NAME
     """LoRA: the adapter its requests name (the zero adapter until its first publish)."""
     weights: str | None = None
-    """Full-weight: its newest published weights (None: the base model)."""
+    """Its newest published weights (None: the base model); LoRA: the adapter step its requests name."""
     requests: int = 0
     service_s: float = 0.0
     wait_s: float = 0.0
@@ -242,7 +242,7 @@ class PoolDispatcher:
         async with self._weights_lock:
             if self.mode == "lora":
                 timings = await reload_all([r.client for r in self.replicas], step_dir, "keep", "lora", adapter=name)
-                run.adapter = name
+                run.adapter, run.weights = name, step_dir  # what `rlctl monitor POOL` shows it served with
                 return timings
             previous, run.weights = run.weights, step_dir
             self._stage(step_dir, previous)

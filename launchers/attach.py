@@ -42,7 +42,8 @@ def check_attachable(recipe, root: Path) -> None:
         raise RecipeError(f"pool {name!r} is {state}, not running (see `rlctl pool show {name}`)", key=key)
     if (endpoint.get("model"), endpoint.get("build_seed")) != (recipe.model.name, recipe.model.build_seed):
         raise RecipeError(f"pool {name!r} serves {endpoint.get('model')} (build_seed {endpoint.get('build_seed')}), "
-                          f"the run trains {recipe.model.name} (build_seed {recipe.model.build_seed})", key="model.name")
+                          f"the run trains {recipe.model.name} (build_seed {recipe.model.build_seed})",
+                          key="model.name" if endpoint.get("model") != recipe.model.name else "model.build_seed")
     lora = recipe.trainer.lora
     if (endpoint.get("mode") == "lora") != lora.enabled:
         raise RecipeError(f"pool {name!r} serves {endpoint.get('mode')} runs (allowed for this run: "

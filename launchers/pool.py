@@ -11,6 +11,7 @@ output root (launchers/attach.py). A LoRA recipe (`trainer.lora.rank` > 0) makes
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 from rlctl.launchers.attach import pools_root
@@ -41,6 +42,8 @@ def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | N
                                         start_attempt)
     from rlctl.launchers.status import output_root, output_root_origin, run_state
 
+    if name is not None:  # "" too: refused as by `rlctl launch`, not replaced by the recipe's name
+        check_run_name(name)
     recipe, profile, placement, _ = load_for_launch(refs, overrides, cluster)
     if recipe.deployment.inference_pool:
         raise RecipeError("a pool cannot itself attach to a pool (allowed: unset)", key="deployment.inference_pool")
@@ -48,13 +51,18 @@ def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | N
         raise RecipeError("prefill/decode replicas cannot form a shared pool (allowed: false)",
                           key="inference.disaggregation.enabled")
     check_submitter(profile, dry_run=False)
-    name = check_run_name(name or recipe.name)
+    name = check_run_name(recipe.name if name is None else name)
     root = pools_root(output_root(recipe, profile))
     pool = claim_run_dir(root, name, name, output_root_origin(recipe, profile))
     loaded = (recipe, profile, *pool_job(recipe, profile, placement))
     if pool is not None:
-        with run_lock(pool, f"rlctl pool launch {name}"):
-            return start_attempt(pool, loaded, refs, 0)
+        try:
+            with run_lock(pool, f"rlctl pool launch {name}"):
+                return start_attempt(pool, loaded, refs, 0)
+        except BaseException:  # as `launch`: a refused submission or Ctrl-C leaves the name free again
+            if not pool.manifest.exists():  # written once a job or supervisor exists (start_attempt)
+                shutil.rmtree(pool.root, ignore_errors=True)
+            raise
     pool = RunDir(root / name)
     with run_lock(pool, f"rlctl pool launch {name}"):
         if not pool.manifest.is_file():

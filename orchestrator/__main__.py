@@ -364,7 +364,7 @@ def _finish(run: RunDir, recipe) -> None:
 
 def _orchestrate_in_pool(run: RunDir, recipe) -> int:
     """The run's requests and weight updates go through the shared pool's front (pool_attach.py)."""
-    from rlctl.orchestrator.pool_attach import PoolUnavailable, open_session
+    from rlctl.orchestrator.pool_attach import PoolUnavailable, open_session, pool_gone
 
     import signal
 
@@ -379,8 +379,13 @@ def _orchestrate_in_pool(run: RunDir, recipe) -> int:
     log(f"attached to pool {name} at {session.front}")
     try:
         _run_loop(orchestrate(run, recipe, session.url, [], "", session.api_key, pool=session))
-    except PoolUnavailable as exc:
-        raise OrchestratorError(str(exc)) from None
+    except Exception as exc:  # a stopped pool fails requests and reloads in many ways: say why, once
+        if pool_gone(run, name, session.front):
+            raise OrchestratorError(f"pool {name} is gone (stopped or failed): "
+                                    f"`rlctl resume {run.root.name}` once it runs again") from None
+        if isinstance(exc, PoolUnavailable):
+            raise OrchestratorError(str(exc)) from None
+        raise
     finally:
         session.detach()
     _finish(run, recipe)

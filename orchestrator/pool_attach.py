@@ -87,6 +87,25 @@ class PoolSession:
         return {**resp.json(), "pool_s": time.perf_counter() - start}
 
 
+def pool_gone(run: RunDir, name: str, front: str, wait_s: float = 15.0) -> bool:
+    """Whether the pool this run was attached to through `front` has ended (stopped or failed), so that
+    a request or reload that failed against it is the pool's end, not the run's bug. A stopped
+    front writes the pool's DONE; a killed one no longer answers. Asked for up to `wait_s`: a stop kills
+    the servers (the run sees 502s) a moment before the front."""
+    pool = pool_dir(run, name)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if pool.done.exists():
+            return True
+        try:
+            httpx.get(f"{front.rstrip('/')}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+
+
 def open_session(run: RunDir, name: str) -> PoolSession:
     """Attach `run` to pool `name` (PoolUnavailable if it cannot)."""
     pool = pool_dir(run, name)

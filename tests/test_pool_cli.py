@@ -44,8 +44,30 @@ def test_pool_names_and_commands_on_bad_input(tmp_path):
     one_line_error(rlctl("pool", "stop", "nope", "--root", str(tmp_path)), "no pool 'nope'")
     one_line_error(rlctl("pool", "launch", str(RECIPES / "tiny-cpu.toml"), "--name", "bad/name",
                          "-o", f"deployment.output_dir={tmp_path}"), "--name")
+    one_line_error(rlctl("pool", "launch", str(RECIPES / "tiny-cpu.toml"), "--name", "",  # not the recipe's name
+                         "-o", f"deployment.output_dir={tmp_path}"), "--name", "invalid run name ''")
     listed = rlctl("pool", "list", "--root", str(tmp_path), "--json")
     assert listed.returncode == 0 and json.loads(listed.stdout) == []
+    assert not (tmp_path / "pools").exists() or not any((tmp_path / "pools").iterdir())
+
+
+def test_a_refused_submission_leaves_no_pool_behind(tmp_path, monkeypatch):
+    """sbatch refusing the pool's job (no controller, bad partition) frees the name: no folder is left."""
+    from typer.testing import CliRunner
+
+    from rlctl.cli.main import app
+    from rlctl.launchers import launch
+
+    def refused(*_args, **_kwargs):
+        raise RecipeError("sbatch refused the job: Unable to contact slurm controller")
+
+    monkeypatch.setattr(launch, "_submit", refused)
+    monkeypatch.setattr(launch, "check_submitter", lambda *_a, **_k: None)  # sbatch need not be installed
+    args = ["pool", "launch", str(RECIPES / "tiny-cpu.toml"), "-c", "vslurm", "--name", "vs",
+            "-o", f"deployment.output_dir={tmp_path}"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 2 and "sbatch refused the job" in out.output, out.output
+    assert not any((tmp_path / "pools").iterdir()), list((tmp_path / "pools").iterdir())
 
 
 @pytest.fixture
@@ -72,6 +94,7 @@ def test_what_may_attach(running_pool):
     attach.check_attachable(recipe(), root)  # the same model, full weights, fits
     refusals = {
         "model.name": recipe("model.name=tiny-qwen3-lora"),
+        "model.build_seed": recipe("model.build_seed=1"),  # the same model, other weights
         "trainer.lora.rank": recipe("trainer.lora.rank=8"),
         "inference.max_model_len": recipe("inference.max_model_len=128"),
         "weights.transport": recipe("weights.transport=broadcast"),

@@ -117,6 +117,8 @@ def test_lora_runs_share_a_server_at_once_each_with_its_adapter():
                     assert set(got) == {token_for(2 if i % 2 == 0 else 7)}, (i, got)
                 assert dispatcher.switches == 0
                 assert fetch_stats(url)["peak_active"] >= 2  # served together, not by turns
+                runs = (await http.get("/pool/stats")).json()["runs"]  # `rlctl monitor POOL` shows the served step
+                assert {n: r["weights"] for n, r in runs.items()} == {"a": "/w/a/step_2", "b": "/w/b/step_7"}, runs
                 full = await http.post("/runs/c/attach", json={"run_dir": "/runs/c"})  # max_loras=2 here
                 assert full.status_code == 409 and "inference.max_loras=2" in full.text
                 await http.post("/runs/a/detach")
