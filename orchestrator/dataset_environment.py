@@ -38,6 +38,12 @@ def char_match(completion: str, answer: str) -> float:
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "char_match": char_match}
 
 
+def train_split(cfg, seed: int) -> tuple[int, list[Row], list[Row]]:
+    """(the dataset's seed, its train rows, the rows `eval_fraction` holds out)."""
+    seed = seed if cfg.seed is None else cfg.seed
+    return (seed, *split_rows(load_rows(cfg), cfg.eval_fraction, seed))
+
+
 class DatasetEnvironment(Environment):
     """Rows of a local dataset as prompts; `reward` compares a completion with the row's answer."""
 
@@ -52,11 +58,9 @@ class DatasetEnvironment(Environment):
             raise RecipeError("a system prompt needs the chat template (apply_chat_template = true)",
                               key=f"{KEY}.system_prompt")
         self.cfg = cfg
-        self.seed = seed if cfg.seed is None else cfg.seed
         self.template = template if needs_template else None
         self.score = BUILTIN_REWARDS[cfg.reward]
-        rows = load_rows(cfg)
-        self.train, self.eval = split_rows(rows, cfg.eval_fraction, self.seed)
+        self.seed, self.train, self.eval = train_split(cfg, seed)
         if cfg.eval_path is not None:
             self.eval = load_rows(cfg, "eval_path")
         self.cursor = Cursor(len(self.train), self.seed, cfg.shuffle)
@@ -104,10 +108,15 @@ def build_environment(recipe, run) -> Environment:
         return VerifiersEnvironment.from_recipe(recipe, run)
     if env_cfg.name != "dataset":
         return load_environment(env_cfg.name, env_cfg.args)
-    if env_cfg.args:
+    check_dataset_environment_args(env_cfg.args)
+    return DatasetEnvironment.from_recipe(recipe, run)
+
+
+def check_dataset_environment_args(args: dict[str, Any]) -> None:
+    """The dataset environment is configured in `[orchestrator.dataset]` (launch checks this too)."""
+    if args:
         raise RecipeError("the dataset environment takes no args: configure it in [orchestrator.dataset]",
                           key="orchestrator.environment.args")
-    return DatasetEnvironment.from_recipe(recipe, run)
 
 
 def eval_environment(recipe, run, env: Environment) -> DatasetEnvironment | None:
@@ -115,3 +124,14 @@ def eval_environment(recipe, run, env: Environment) -> DatasetEnvironment | None
     if recipe.orchestrator.eval is None:
         return None
     return env if isinstance(env, DatasetEnvironment) else DatasetEnvironment.from_recipe(recipe, run)
+
+
+def check_saved_state(recipe, state: dict[str, Any] | None) -> None:
+    """Refuse a checkpoint's environment state that the orchestrator could not restore, before `rlctl
+    resume` prunes anything: the dataset cursor of a dataset that has changed since, checked by the
+    `Cursor.load_state_dict` the orchestrator calls at start (no model needed: no prompt is rendered)."""
+    if recipe.orchestrator.environment.name != "dataset" or not state:
+        return
+    cfg = recipe.orchestrator.dataset
+    seed, train, _ = train_split(cfg, recipe.orchestrator.seed)
+    Cursor(len(train), seed, cfg.shuffle).load_state_dict(state.get("cursor") or {})

@@ -20,6 +20,7 @@ mask 0) and returns the `Trajectory`; the loop runs `group_size` of them per pro
 from __future__ import annotations
 
 import importlib
+import inspect
 import random
 import string
 from abc import ABC, abstractmethod
@@ -149,14 +150,29 @@ def unknown_environment(name: str) -> RecipeError:
                        key="orchestrator.environment.name")
 
 
+def builtin_class(name: str) -> type[Environment]:
+    """The class of a built-in environment (a multi-turn one's module is imported now)."""
+    if name in MULTI_TURN_BUILTINS:
+        module_name, _, attr = MULTI_TURN_BUILTINS[name].partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+    return BUILTINS[name]
+
+
+def check_environment_args(name: str, args: dict[str, Any] | None) -> None:
+    """`args` fit the constructor of built-in `name`, which is not built (for one whose building loads
+    user code or data, e.g. `verifiers`' task set); `load_environment` checks them by building."""
+    try:
+        inspect.signature(builtin_class(name)).bind(**(args or {}))
+    except TypeError as exc:
+        raise RecipeError(f"bad arguments for environment {name!r}: {exc}",
+                          key="orchestrator.environment.args") from None
+
+
 def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
     """Instantiate a built-in environment or `module:Class`; bad names/args raise a one-line RecipeError."""
     key = "orchestrator.environment.name"
-    if name in MULTI_TURN_BUILTINS:
-        module_name, _, attr = MULTI_TURN_BUILTINS[name].partition(":")
-        cls = getattr(importlib.import_module(module_name), attr)
-    elif name in BUILTINS:
-        cls = BUILTINS[name]
+    if name in MULTI_TURN_BUILTINS or name in BUILTINS:
+        cls = builtin_class(name)
     elif ":" in name:
         module_name, _, attr = name.partition(":")
         try:

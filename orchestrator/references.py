@@ -4,42 +4,35 @@ A `module:attr` is *found*, not imported: user code runs in the orchestrator, no
 (finding a dotted module imports its parent packages, as Python must to look inside them)."""
 from __future__ import annotations
 
-import importlib.util
-
+from rlctl.orchestrator.reward_config import module_found
 from rlctl.recipes.errors import RecipeError
 
 
-def module_found(name: str) -> bool:
-    """Whether this Python can import `name` (without importing it)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
-        return False
-
-
-def check_reward_dependencies(function: str) -> None:
-    """A built-in reward whose package is missing: one line naming what to install."""
-    if function == "math" and not module_found("math_verify"):
-        raise RecipeError("the `math` reward needs the math-verify package (pip install 'rlctl[workloads]')",
-                          key="orchestrator.reward.function")
-
-
 def check_code_references(orch) -> None:
-    """`orchestrator.environment.name` and `orchestrator.reward.function`: a built-in (the cheap
-    single-turn environments are built, which checks their args too) or a `module:attr` whose module
-    this Python finds. The dataset environment is checked by `check_dataset`."""
-    from rlctl.orchestrator.environments import BUILTINS, MULTI_TURN_BUILTINS, load_environment, unknown_environment
+    """`orchestrator.environment.name` and `orchestrator.reward.function`: a built-in or a `module:attr`
+    whose module this Python finds. A built-in's args are checked by the orchestrator's own code: the
+    cheap environments are built, `verifiers` (whose task set is user code) has them bound to its
+    constructor, a built-in reward is loaded as the orchestrator loads it. The dataset itself is
+    checked by `check_dataset`."""
+    from rlctl.orchestrator.dataset_environment import check_dataset_environment_args
+    from rlctl.orchestrator.environments import (BUILTINS, MULTI_TURN_BUILTINS, check_environment_args,
+                                                 load_environment, unknown_environment)
     from rlctl.orchestrator.reward_config import BUILTIN_REWARDS, unknown_reward
+    from rlctl.orchestrator.rewards import load_reward
 
-    name = orch.environment.name
-    if name in BUILTINS:
-        load_environment(name, orch.environment.args)
-    elif name not in MULTI_TURN_BUILTINS and name != "dataset":
+    name, args = orch.environment.name, orch.environment.args
+    if name == "dataset":
+        check_dataset_environment_args(args)
+    elif name == "verifiers":
+        check_environment_args(name, args)
+    elif name in BUILTINS or name in MULTI_TURN_BUILTINS:
+        load_environment(name, args)
+    else:
         _check_module_ref(name, unknown_environment(name))
     function = orch.reward.function
     if function in BUILTIN_REWARDS:
-        check_reward_dependencies(function)
-    elif function is not None:
+        load_reward(orch.reward)
+    elif function is not None:  # user code is found, not imported (see the module docstring)
         _check_module_ref(function, unknown_reward(function))
 
 

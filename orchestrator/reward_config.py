@@ -1,9 +1,13 @@
 """The `[orchestrator.reward]` section: which reward function scores rollouts and how it is contained."""
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, TypeAdapter, ValidationError
 
 from rlctl.recipes.base import StrictModel
 from rlctl.recipes.errors import RecipeError
@@ -42,3 +46,48 @@ class RewardConfig(StrictModel):
     max_consecutive_failures: Annotated[int, Field(ge=1, le=1 << 30)] = 1000
     """The run stops with an error after this many reward calls in a row failed (a broken reward
     function would otherwise spin forever, or train on nothing but zeros)."""
+
+
+SCALARS = (bool, int, float, str)
+
+
+def check_reward_args(function: str, fn, args: dict[str, Any]) -> None:
+    """`args` fit `fn(prompt, completion, **args)`: its parameters, and the type of each scalar one
+    that is annotated (a quoted "2" for a float used to fail every call, each counted as a reward error)."""
+    try:
+        inspect.signature(fn).bind(None, "", **args)
+    except TypeError as exc:
+        raise RecipeError(f"does not fit {function!r}: {exc}", key="orchestrator.reward.args") from None
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - annotations this Python cannot resolve: the parameters are checked
+        return
+    for name, value in args.items():
+        hint = hints.get(name)
+        # Only scalars: a TOML array or table is never a tuple or a model, which strict checking would refuse.
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        if not all(t in SCALARS or t is type(None) for t in (typing.get_args(hint) if union else (hint,))):
+            continue
+        try:
+            TypeAdapter(hint).validate_python(value, strict=True)  # strict: "2" is not a float, 1 is not a bool
+        except ValidationError as exc:
+            raise RecipeError(f"does not fit {function!r}: {name} = {value!r} ({exc.errors()[0]['msg']})",
+                              key=f"orchestrator.reward.args.{name}") from None
+        except Exception:  # noqa: BLE001 - a hint pydantic cannot build a schema for: not checked
+            continue
+
+
+def module_found(name: str) -> bool:
+    """Whether this Python can import `name` (without importing it): a reward's package, or the module
+    a recipe's `module:attr` names (orchestrator/references.py)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+        return False
+
+
+def check_reward_dependencies(function: str) -> None:
+    """A built-in reward whose package is missing: one line naming what to install."""
+    if function == "math" and not module_found("math_verify"):
+        raise RecipeError("the `math` reward needs the math-verify package (pip install 'rlctl[workloads]')",
+                          key="orchestrator.reward.function")

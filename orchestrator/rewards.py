@@ -43,8 +43,8 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from rlctl.orchestrator.references import check_reward_dependencies
-from rlctl.orchestrator.reward_config import BUILTIN_REWARDS, RewardConfig, unknown_reward
+from rlctl.orchestrator.reward_config import (BUILTIN_REWARDS, RewardConfig, check_reward_args,
+                                              check_reward_dependencies, unknown_reward)
 from rlctl.recipes.errors import RecipeError
 
 STARTUP_TIMEOUT_S = 120.0  # importing a heavy reward (sympy, a verifier's stack) on a loaded machine
@@ -79,12 +79,7 @@ class RewardScorer:
         cfg = cfg or RewardConfig()
         if cfg.function:
             ref = BUILTIN_REWARDS.get(cfg.function, cfg.function)
-            fn = import_reward(ref)
-            check_reward_dependencies(cfg.function)
-            try:
-                inspect.signature(fn).bind(None, "", **cfg.args)
-            except TypeError as exc:
-                raise RecipeError(f"does not fit {cfg.function!r}: {exc}", key="orchestrator.reward.args") from None
+            fn = load_reward(cfg)
             if inspect.iscoroutinefunction(fn):
                 return cls(cfg, "async", functools.partial(fn, **cfg.args))
             if getattr(fn, "reward_inline", False):
@@ -166,6 +161,15 @@ class RewardScorer:
 def _classify(exc: BaseException) -> tuple[str, str]:
     kind = "memory_kills" if isinstance(exc, MemoryError) else "errors"
     return kind, f"{type(exc).__name__}: {exc}"
+
+
+def load_reward(cfg: RewardConfig) -> Callable:
+    """`cfg.function`, imported, with what it needs installed and `cfg.args` fitting it (launch calls
+    this for the built-ins, so that their args fail there rather than when the orchestrator starts)."""
+    fn = import_reward(BUILTIN_REWARDS.get(cfg.function, cfg.function))
+    check_reward_dependencies(cfg.function)
+    check_reward_args(cfg.function, fn, cfg.args)
+    return fn
 
 
 def import_reward(ref: str, key: str = "orchestrator.reward.function") -> Callable:

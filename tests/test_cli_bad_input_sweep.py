@@ -234,3 +234,37 @@ def test_more_gpus_per_node_than_the_profile_has_is_refused_naming_the_key(tmp_p
                  "-o", "deployment.trainer.gpus_per_node=16"],
                 "deployment.trainer.gpus_per_node: asks for 16 GPUs per node; cluster profile 'vslurm' has 8")
     assert not any(tmp_path.iterdir())
+
+
+# ---- args of the environment and reward: checked at launch by the orchestrator's own checks ---------
+@pytest.mark.parametrize("recipe,overrides,expect", [
+    ("tiny-tools-cpu", ["orchestrator.environment.args={keyz=3}"],
+     "orchestrator.environment.args: bad arguments for environment 'tool_lookup'"),
+    ("tiny-tools-cpu", ["orchestrator.environment.args={keys=11}"], "orchestrator.environment.args.keys: keys must be"),
+    ("tiny-cpu", ["orchestrator.environment.name=tool_lookup", "orchestrator.environment.args={length=3}"],
+     "orchestrator.environment.args: bad arguments for environment 'tool_lookup'"),
+    ("tiny-cpu", ["orchestrator.environment.name=verifiers", "orchestrator.environment.args={tasket='x'}"],
+     "orchestrator.environment.args: bad arguments for environment 'verifiers'"),
+    ("tiny-dataset-cpu", ["orchestrator.environment.args={x=3}"],
+     "orchestrator.environment.args: the dataset environment takes no args"),
+    ("tiny-cpu", ["orchestrator.reward.function=code", "orchestrator.reward.args={time_limt_s=2}"],
+     "orchestrator.reward.args: does not fit 'code'"),
+    ("tiny-cpu", ["orchestrator.reward.function=code", 'orchestrator.reward.args={time_limit_s="2"}'],
+     "orchestrator.reward.args.time_limit_s: does not fit 'code'"),
+    ("tiny-cpu", ["orchestrator.reward.function=exact_match", "orchestrator.reward.args={ignore_case=1.5}"],
+     "orchestrator.reward.args.ignore_case: does not fit 'exact_match'"),
+])
+def test_launch_refuses_args_the_orchestrator_would_refuse(recipe, overrides, expect, tmp_path, monkeypatch):
+    """They failed only when the orchestrator built them, 20-40 s after every component had started."""
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
+    _one_line_2(["launch", recipe, "--dry-run", *(a for o in overrides for a in ("-o", o))], expect)
+    assert not any(tmp_path.iterdir())
+
+
+def test_launch_takes_args_that_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
+    r = runner.invoke(app, ["launch", "tiny-tools-cpu", "--dry-run", "--name", "ok",
+                            "-o", "orchestrator.environment.args={keys=3}",
+                            "-o", "orchestrator.reward.function=code",
+                            "-o", "orchestrator.reward.args={time_limit_s=2, memory_mb=256}"])
+    assert r.exit_code == 0 and "nothing started" in r.output, r.output
