@@ -43,7 +43,7 @@ def run_active(run: RunDir) -> bool:
 def cancel_run(run: RunDir, timeout: float = 60.0) -> str:
     """Under the run's lock: a resume or launch in progress makes this fail naming it (RunLocked),
     instead of finding nothing running while that attempt starts."""
-    from rlctl.launchers.launch import run_lock
+    from rlctl.launchers.run_dirs import run_lock
 
     with run_lock(run, f"rlctl cancel {run.root.name}"):
         return _cancel(run, timeout)

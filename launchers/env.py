@@ -68,6 +68,21 @@ def component_env(*, run_dir: str, attempt: int, group: str, rank: int, local_ra
     return env
 
 
+def absolute_pythonpath(environ: dict | None = None, cwd: str | None = None) -> dict[str, str]:
+    """`{"PYTHONPATH": ...}` with its relative entries made absolute against `cwd` (default: here), as
+    Python itself reads them at start, or {} when it has none. Launch finds a recipe's `module:Class`
+    from here, but components start in the run dir (locally and in the batch script), where `mods`
+    meant something else; so `start_attempt` passes every task this value."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("PYTHONPATH")
+    if not value:
+        return {}
+    cwd = os.getcwd() if cwd is None else cwd
+    resolved = os.pathsep.join(p if os.path.isabs(p) else os.path.normpath(os.path.join(cwd, p))  # "": cwd
+                               for p in value.split(os.pathsep))
+    return {"PYTHONPATH": resolved} if resolved != value else {}
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """`node[1-3],gpu7` → ['node1', 'node2', 'node3', 'gpu7'] (Slurm hostlist syntax)."""
     from submitit.slurm.slurm import _parse_node_list

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Callable
 
 from rlctl.launchers.groups import JobGroup, build_groups, check_group_time_limits, check_preempt_signal
+from rlctl.launchers.run_dirs import check_run_name, claim_run_dir, first_attempt
 from rlctl.launchers.status import output_root, output_root_origin
 from rlctl.orchestrator.exchange.layout import RunDir
-from rlctl.orchestrator.exchange.files import DIR_MODE, atomic_write_bytes, atomic_write_json, private_dir
-from rlctl.recipes.errors import UNUSABLE_PATH, RecipeError, shown
+from rlctl.orchestrator.exchange.files import atomic_write_bytes, atomic_write_json, private_dir
+from rlctl.recipes.errors import RecipeError
 
 
 @dataclass
@@ -34,55 +35,6 @@ class LaunchResult:
     dry_run: bool = False
     supervisor_pid: int | None = None
     extra: dict = field(default_factory=dict)
-
-
-def check_run_name(name: str) -> str:
-    """A run name the user chose (`--name`): the schema's RunName alphabet, one line otherwise."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from rlctl.recipes.base import RUN_NAME_ALLOWED, RunName
-
-    try:
-        return TypeAdapter(RunName).validate_python(name)
-    except ValidationError:
-        raise RecipeError(f"invalid run name {name!r}: use {RUN_NAME_ALLOWED}", key="--name") from None
-
-
-def claim_run_dir(root: Path, prefix: str, name: str | None, key: str) -> RunDir | None:
-    """Create the run directory exclusively, so two launches never share one. An automatic name that
-    is taken (same recipe, same second) gets the next free suffix; a chosen `name` that exists → None.
-    A root that cannot hold it (not a folder, not allowed) is one line naming `key`, the setting it came from."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidates = [name] if name else [f"{prefix}-{stamp}"] + [f"{prefix}-{stamp}-{n}" for n in range(2, 1000)]
-    for candidate in candidates:
-        path = root / candidate
-        try:
-            private_dir(root)
-            os.mkdir(path, DIR_MODE)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            if e.errno not in UNUSABLE_PATH:
-                raise  # disk full, I/O: a failure, not bad input
-            raise RecipeError(f"cannot create a run directory in {shown(str(root))}: {e.strerror}", key=key) from None
-        os.chmod(path, DIR_MODE)  # mkdir's mode is filtered by the umask
-        return RunDir(path)
-    if name:
-        return None
-    raise RecipeError(f"no free run directory name {prefix}-{stamp}-N under {root}")
-
-
-def run_lock(run: RunDir, command: str, wait_s: float = 0.0):
-    """The run's lock (see exchange/lock.py); a lock of another host is broken only when old and the
-    run is not pending or running (an unknown state counts as active)."""
-    from rlctl.orchestrator.exchange.lock import RunLock
-
-    def active() -> bool:
-        from rlctl.launchers.status import ENDED, run_state
-
-        return run_state(run.root).state not in ENDED
-
-    return RunLock(run.lock, command, active=active, wait_s=wait_s)
 
 
 def _drop_none(obj):
@@ -237,13 +189,8 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
             raise RecipeError(f"{existing.root} exists but holds no run.json "
                               "(another launch is creating it, or it is not a run directory)", key="--name")
         raise RunExists(existing)
-    try:
-        with run_lock(run, f"rlctl launch --name {run.root.name}"):
-            return start_attempt(run, loaded, refs, 0, dry_run=dry_run)
-    except BaseException:  # Ctrl-C or a refusal before anything started: the name is free again
-        if not run.manifest.exists():  # written as soon as a job or supervisor exists (start_attempt)
-            shutil.rmtree(run.root, ignore_errors=True)
-        raise
+    with first_attempt(run, f"rlctl launch --name {run.root.name}"):
+        return start_attempt(run, loaded, refs, 0, dry_run=dry_run)
 
 
 @contextlib.contextmanager
@@ -279,7 +226,10 @@ def start_attempt(run: RunDir, loaded, refs, attempt: int, *, dry_run: bool = Fa
     only once the attempt is sure to start: on Slurm after a held submission, which is released after
     it; locally right before the supervisor is spawned. A refused submission changes nothing of an
     earlier attempt. `extra_env` reaches every task; `history` goes into this attempt's record."""
+    from rlctl.launchers.env import absolute_pythonpath
+
     recipe, profile, placement, groups = loaded
+    extra_env = {**absolute_pythonpath(), **(extra_env or {})}  # relative entries meant here, not the run dir
     name = run.root.name
     result = LaunchResult(run, name, profile.scheduler, attempt, groups, dry_run=dry_run)
     result.extra["trainer_degrees"] = placement.trainer_degrees  # the plan's, the trainer builds its mesh from them

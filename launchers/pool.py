@@ -11,7 +11,6 @@ output root (launchers/attach.py). A LoRA recipe (`trainer.lora.rank` > 0) makes
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
 from rlctl.launchers.attach import pools_root
@@ -38,8 +37,8 @@ def pool_job(recipe, profile, placement) -> tuple[Placement, list[JobGroup]]:
 
 def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | None = None):
     """Start pool `name` (default: the recipe's name), or a new attempt of a stopped pool of that name."""
-    from rlctl.launchers.launch import (check_run_name, check_submitter, claim_run_dir, load_for_launch, run_lock,
-                                        start_attempt)
+    from rlctl.launchers.launch import check_submitter, load_for_launch, start_attempt
+    from rlctl.launchers.run_dirs import check_run_name, claim_run_dir, first_attempt, run_lock
     from rlctl.launchers.status import output_root, output_root_origin, run_state
 
     if name is not None:  # "" too: refused as by `rlctl launch`, not replaced by the recipe's name
@@ -56,13 +55,8 @@ def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | N
     pool = claim_run_dir(root, name, name, output_root_origin(recipe, profile))
     loaded = (recipe, profile, *pool_job(recipe, profile, placement))
     if pool is not None:
-        try:
-            with run_lock(pool, f"rlctl pool launch {name}"):
-                return start_attempt(pool, loaded, refs, 0)
-        except BaseException:  # as `launch`: a refused submission or Ctrl-C leaves the name free again
-            if not pool.manifest.exists():  # written once a job or supervisor exists (start_attempt)
-                shutil.rmtree(pool.root, ignore_errors=True)
-            raise
+        with first_attempt(pool, f"rlctl pool launch {name}"):  # a refused submission leaves no folder
+            return start_attempt(pool, loaded, refs, 0)
     pool = RunDir(root / name)
     with run_lock(pool, f"rlctl pool launch {name}"):
         if not pool.manifest.is_file():

@@ -152,6 +152,19 @@ def rewind(run: RunDir, step: int | None = None, source: Path | None = None) -> 
     return apply_rewind(run, Rewind(k, from_ckpt, source=str(source) if source else None), other_run)
 
 
+def check_saved_progress(recipe, checkpoints: Path, step: int) -> None:
+    """What the orchestrator restores from checkpoint `step` fits the recipe now (a dataset that grew
+    since failed the new attempt at start, after the rewind had pruned the later steps)."""
+    from rlctl.orchestrator.dataset_environment import check_saved_state
+    from rlctl.orchestrator.exchange.checkpoints import load_orchestrator_state
+
+    try:
+        state = load_orchestrator_state(checkpoints, step)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # unreadable: the orchestrator reports it when it starts, as before this check
+    check_saved_state(recipe, (state or {}).get("environment"))
+
+
 def refuse_if_active(run: RunDir) -> None:
     """Call with the run's lock held: then a run that names no job and no supervisor anywhere was
     never started (a dry run, or a refused submission) and is not active."""
@@ -190,7 +203,8 @@ def resume(run: RunDir, step: int | None = None, source: Path | None = None, *, 
     step, `--from` staged as a hidden copy), submit held (Slurm) or get ready to spawn (local), and only
     then rewind, release and record. A refusal anywhere before leaves the run as it was.
     `refs`/`overrides` replace the run's own recipe (`launch --resume`). Returns (LaunchResult, Rewind)."""
-    from rlctl.launchers.launch import check_submitter, load_for_launch, run_lock, start_attempt
+    from rlctl.launchers.launch import check_submitter, load_for_launch, start_attempt
+    from rlctl.launchers.run_dirs import run_lock
     from rlctl.launchers.status import usable_run
 
     usable_run(run.root, run.root.name)  # before the lock: nothing is written into a directory that is not a run's
@@ -209,6 +223,8 @@ def resume(run: RunDir, step: int | None = None, source: Path | None = None, *, 
                 plan = Rewind(step, True, source=str(source))
             else:
                 plan = Rewind(*choose_step(run, step))
+            if plan.from_checkpoint:
+                check_saved_progress(loaded[0], (other_run or run).checkpoints, plan.step)
 
             def prepare() -> None:
                 if staged is not None:
@@ -233,7 +249,8 @@ def prepare_requeued(run: RunDir, attempt: int) -> Rewind:
     """In a requeued Slurm job's batch script: rewind to the newest complete checkpoint and record
     the attempt in run.json (the job id stays the same), under the run's lock. A finished run is left
     as it is (RunFinished): the rewind would delete its DONE and train again."""
-    from rlctl.launchers.launch import _link_latest_logs, run_lock
+    from rlctl.launchers.launch import _link_latest_logs
+    from rlctl.launchers.run_dirs import run_lock
 
     job = os.environ.get("SLURM_JOB_ID", "?")
     with run_lock(run, f"requeue of Slurm job {job} as attempt {attempt}", wait_s=REQUEUE_LOCK_WAIT_S):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from e2e_checks import running, wait_for
-from rlctl.launchers.launch import claim_run_dir
+from rlctl.launchers.run_dirs import claim_run_dir
 from rlctl.launchers.status import RunNotFound, resolve_run
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.lock import RunLock, RunLocked

@@ -210,3 +210,54 @@ def test_a_finished_run_is_resumed_only_to_train_further(tmp_path):
     refuse_if_finished(run, previous, 12)  # more steps: continues from the newest checkpoint
     run.done.unlink()
     refuse_if_finished(run, previous, 8)  # preempted after its last step: nothing finished
+
+
+def test_a_resume_onto_a_changed_dataset_is_refused_before_anything_is_pruned(tmp_path, monkeypatch):
+    """The orchestrator refused the saved cursor at start, after the rewind had removed weights,
+    checkpoints and metrics lines of the steps after the checkpoint."""
+    from typer.testing import CliRunner
+
+    import rlctl.launchers.local as local
+    from rlctl.cli.main import app
+    from rlctl.launchers.launch import load_for_launch
+    from rlctl.orchestrator.datasets import Cursor
+    from rlctl.orchestrator.dataset_environment import train_split
+
+    data = tmp_path / "rows.jsonl"
+    rows = (REPO / "recipes" / "data" / "tiny-sequences.jsonl").read_text()
+    data.write_text(rows)
+    runner = CliRunner()
+    r = runner.invoke(app, ["launch", str(REPO / "recipes" / "tiny-dataset-cpu.toml"), "--dry-run", "--name", "ds",
+                            "-o", f"deployment.output_dir={tmp_path}", "-o", f"orchestrator.dataset.path={data}"])
+    assert r.exit_code == 0, r.output
+    run = RunDir(tmp_path / "ds")
+    recipe = load_for_launch([str(run.recipe_toml)])[0]
+    seed, train, _ = train_split(recipe.orchestrator.dataset, recipe.orchestrator.seed)
+    cursor = Cursor(len(train), seed)
+    for step in range(5):
+        (run.weights / f"step_{step}").mkdir(parents=True)
+        (run.weights / f"step_{step}" / MARKER).write_text("{}")
+        append_record(run, "orchestrator", {"component": "orchestrator", "step": step, "reward_mean": 0.1})
+        cursor.next()
+        if step in (2, 4):
+            trainer_part(run, step)
+            save_orchestrator_state(run.checkpoints, step, {"rng": random.Random(step).getstate(),
+                                                            "environment": {"cursor": cursor.state_dict()},
+                                                            "counters": {}})
+    started = []
+    monkeypatch.setattr(local, "start_supervisor", lambda *a, **k: started.append(a) or 999_999)
+    data.write_text(rows + '{"prompt": "abc", "answer": "de"}\n' * 3)
+
+    def snapshot() -> dict:
+        return {str(p.relative_to(run.root)): p.read_bytes() for p in sorted(run.root.rglob("*")) if p.is_file()}
+
+    before = snapshot()
+    r = runner.invoke(app, ["resume", str(run.root), "--step", "2"])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert f"orchestrator.dataset.path: the saved dataset cursor is for {len(train)} rows" in lines[0], lines[0]
+    assert snapshot() == before and not started  # nothing pruned, nothing started
+    data.write_text(rows)  # the data it was trained on: resumed (the check refuses only what changed)
+    r = runner.invoke(app, ["resume", str(run.root), "--step", "2"])
+    assert r.exit_code == 0 and len(started) == 1, r.output
+    assert step_dirs(run.checkpoints) == [2] and step_dirs(run.weights) == [0, 1, 2]
