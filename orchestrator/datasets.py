@@ -12,6 +12,7 @@ prompts an uninterrupted run would have drawn.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from importlib import resources
@@ -70,7 +71,7 @@ class MissingColumn(Exception):
 def _read_jsonl(path: Path, columns: list[str], key: str) -> dict[str, list]:
     out: dict[str, list] = {c: [] for c in columns}
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows editors) is not JSON
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -157,6 +158,8 @@ def _check_prompt(value: Any, i: int, chat: bool, key: str, path: Path):
     if not chat:
         if not isinstance(value, str):
             raise RecipeError(f"row {i} of {path.name}: the prompt is {type(value).__name__}, not text", key=key)
+        if not value.strip():  # the server refuses an empty prompt: the run failed at its first batch
+            raise RecipeError(f"row {i} of {path.name}: the prompt is empty", key=key)
         return value
     ok = isinstance(value, list) and value and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
@@ -169,8 +172,8 @@ def _check_prompt(value: Any, i: int, chat: bool, key: str, path: Path):
 def _as_text(value: Any, i: int, key: str, path: Path) -> str:
     if isinstance(value, str):
         return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return str(value)  # a NaN or inf (JSON allows NaN) would be the answer "nan"
     raise RecipeError(f"row {i} of {path.name}: the answer is {type(value).__name__}, not text or a number", key=key)
 
 

@@ -96,6 +96,9 @@ def test_held_out_eval_split_is_seeded_and_never_trained_on(tmp_path):
     ({}, [{"prompt": ["not", "text"], "answer": "1"}], "orchestrator.dataset.prompt_column"),
     ({"format": "parquet"}, ROWS, "orchestrator.dataset.path"),
     ({"eval_fraction": 0.5}, ROWS[:1], "orchestrator.dataset.eval_fraction"),
+    # the server refuses an empty prompt: the run failed at its first batch, naming no row
+    ({}, ROWS[:3] + [{"prompt": " ", "answer": "1"}], "orchestrator.dataset.prompt_column"),
+    ({}, ROWS[:3] + [{"prompt": "p", "answer": float("nan")}], "orchestrator.dataset.answer_column"),
 ])
 def test_bad_paths_and_columns_name_the_key(tmp_path, kw, rows, key):
     path = write_jsonl(tmp_path / "d.jsonl", rows) if rows is not None else tmp_path / "d.jsonl"
@@ -164,3 +167,9 @@ def test_resume_at_step_k_draws_the_prompts_of_the_uninterrupted_run(tmp_path):
         resumed = _run_loop(url, path, run.checkpoints, k, total - k, saved)
     assert len(full) >= total * per_batch and len(resumed) >= (total - k) * per_batch
     assert resumed == full[k * per_batch:k * per_batch + len(resumed)]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "d.jsonl", ROWS[:3]).read_bytes())
+    assert [r.answer for r in load_rows(dataset(path))] == ["0", "1", "2"]
