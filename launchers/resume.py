@@ -208,6 +208,11 @@ def resume(run: RunDir, step: int | None = None, source: Path | None = None, *, 
     from rlctl.launchers.status import usable_run
 
     usable_run(run.root, run.root.name)  # before the lock: nothing is written into a directory that is not a run's
+    from rlctl.launchers.pool import is_pool
+
+    if is_pool(run.root):  # its advice ("launch RECIPE --name X --resume") would start a run, not the pool
+        raise RecipeError(f"{run.root} is a shared pool, not a run: start it again with "
+                          f"`rlctl pool launch RECIPE --name {run.root.name}`")
     with run_lock(run, command or f"rlctl resume {run.root.name}"):
         refuse_if_active(run)
         previous = run.read_manifest()

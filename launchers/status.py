@@ -174,6 +174,9 @@ def resolve_run(ref: str, root: Path | str | None = None, kind: str = "run") -> 
         shown = ", ".join(d.name for d in named[-5:]) + (" ..." if len(named) > 5 else "")
         raise RunNotFound(f"run {ref!r} is ambiguous under {base}: {len(named)} runs match ({shown}); "
                           "pass the full run name")
+    if kind == "run" and _is_run(base / "pools" / ref):  # orchestrator/pool_attach.POOLS_DIR
+        raise RunNotFound(f"{ref!r} is a shared pool ({base / 'pools' / ref}), not a run: `rlctl pool stop {ref}` "
+                          f"stops it, `rlctl monitor {ref}` shows it")
     raise RunNotFound(f"run {ref!r}: no run.json at {path} or under {base}; {hint}")
 
 

@@ -3,6 +3,7 @@ started; and what a run may attach to (launchers/attach.check_attachable) agains
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,21 @@ def test_pool_names_and_commands_on_bad_input(tmp_path):
     listed = rlctl("pool", "list", "--root", str(tmp_path), "--json")
     assert listed.returncode == 0 and json.loads(listed.stdout) == []
     assert not (tmp_path / "pools").exists() or not any((tmp_path / "pools").iterdir())
+
+
+def test_run_commands_given_a_pool_say_so(tmp_path):
+    """`cancel`, `logs` and `resume` of a pool's name said only "no run.json"; `resume` of its directory
+    advised `rlctl launch RECIPE --name NAME --resume`, which starts a run, not the pool."""
+    pool = tmp_path / "pools" / "lp"
+    pool.mkdir(parents=True)
+    (pool / "run.json").write_text(json.dumps({"name": "lp", "run_dir": str(pool), "scheduler": "local",
+                                               "job_id": None, "attempt": 0, "groups": [], "recipe": {}}))
+    for command in ("cancel", "logs", "resume"):
+        one_line_error(subprocess.run([*RLCTL, command, "lp"], capture_output=True, text=True, timeout=120,
+                                      env={**os.environ, "RLCTL_OUTPUT_DIR": str(tmp_path)}),
+                       "'lp' is a shared pool", "rlctl pool stop lp")
+    one_line_error(rlctl("resume", str(pool)), "is a shared pool, not a run", "rlctl pool launch RECIPE --name lp")
+    assert sorted(p.name for p in pool.iterdir()) == ["run.json"]
 
 
 def test_a_refused_submission_leaves_no_pool_behind(tmp_path, monkeypatch):
