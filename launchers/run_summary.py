@@ -26,8 +26,9 @@ SHUTDOWN_RE = re.compile(r"rlctl\.inference\[\d+\]: (run finished|stop requested
 # A line vLLM logged below ERROR (`(APIServer pid=N) WARNING 12-05 18:15:37 [file.py:N] ...`): its ulimit
 # warning mentions "fd limit errors like OSError" on every Slurm run. (rlctl's own warnings, a failed
 # request being retried, stay: they are what a failure looks like from the other side.)
-BELOW_ERROR_RE = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(DEBUG|INFO|WARNING) \d\d-\d\d [\d:]+ \[")
-PROCESS_PREFIX_RE = re.compile(r"^\(\S+ pid=\d+\) ")
+PROCESS_PREFIX = r"\(\S+ pid=\d+\)"  # what vLLM puts before each line of its processes: `(EngineCore pid=N)`
+BELOW_ERROR_RE = re.compile(rf"^({PROCESS_PREFIX}\s+)?(DEBUG|INFO|WARNING) \d\d-\d\d [\d:]+ \[")
+PROCESS_PREFIX_RE = re.compile(rf"^{PROCESS_PREFIX} ")
 TRACEBACK_RE = re.compile(r"^Traceback \(most recent call last\):$")
 CHAINED_RE = re.compile(r"^(The above exception was the direct cause|During handling of the above exception)")
 # The local supervisor's bookkeeping (launchers/local.py): the culprit entry says it better.
@@ -123,7 +124,7 @@ def _error_lines(lines: list[str]) -> list[str]:
     hits, in_traceback = [], False
     for line in lines:
         text = line.strip()
-        body = PROCESS_PREFIX_RE.sub("", line, count=1)  # vLLM's `(EngineCore pid=N) ` before each line
+        body = PROCESS_PREFIX_RE.sub("", line, count=1)
         if TRACEBACK_RE.match(body):
             in_traceback = True
         elif in_traceback:
