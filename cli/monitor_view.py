@@ -8,6 +8,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from rlctl.launchers.status import DRY_RUN
 from rlctl.orchestrator.exchange.metrics import EvalRecord as Eval
 from rlctl.orchestrator.exchange.metrics import OrchestratorStepRecord as Orch
 from rlctl.orchestrator.exchange.metrics import TrainerStepRecord as Trainer
@@ -17,7 +18,7 @@ BLOCKS = "▁▂▃▄▅▆▇█"
 STATE_STYLE = {
     "running": "bold green", "completed": "bold cyan", "pending": "yellow", "starting": "yellow",
     "failed": "bold red", "lost": "bold red", "cancelled": "magenta", "unknown": "dim", "stalled": "bold red",
-    "dry-run": "dim",
+    DRY_RUN: "dim",
 }
 # (metrics key, label, plan key whose prediction goes next to the measured median)
 SPARK_ROWS = (
