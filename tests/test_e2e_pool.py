@@ -76,16 +76,16 @@ def test_both_runs_learn_on_the_shared_server(pool_runs):
     pool's timing may make a bad ending likelier; the plateaued runs' mismatch_kl stayed at one step's
     size (no sign of wrong weights served). A pool that broke learning (another run's weights served, a
     switch losing an update) fails both bars."""
-    endings = {}
+    endings, reports = {}, {}
     for name in PAIR:
         assert pool_runs.pair[name].returncode == 0, pool_runs.outs[name]
         trainer, orch = metrics(pool_runs.root / name)
         rewards = [r["reward_mean"] for r in orch]
         assert len(rewards) == 80 and rewards[0] < 0.2, rewards[:5]
-        endings[name] = sum(rewards[-5:]) / 5
-        assert endings[name] >= 0.7, f"{name} did not end >= 0.7:\n{learning_report(trainer, orch)}"
-    reports = "\n".join(f"{n}:\n{learning_report(*metrics(pool_runs.root / n))}" for n in PAIR)
-    assert sum(endings.values()) / len(PAIR) >= 0.8, f"the pair did not end >= 0.8 on average {endings}:\n{reports}"
+        endings[name], reports[name] = sum(rewards[-5:]) / 5, learning_report(trainer, orch)
+        assert endings[name] >= 0.7, f"{name} did not end >= 0.7:\n{reports[name]}"
+    why = "\n".join(f"{n}:\n{r}" for n, r in reports.items())
+    assert sum(endings.values()) / len(PAIR) >= 0.8, f"the pair did not end >= 0.8 on average {endings}:\n{why}"
     stats = pool_runs.finished["stats"]
     print(f"pool pair: {pool_runs.took:.0f}s wall for both, {stats['switches']} residency switches "
           f"({stats['switch_s']:.1f}s, {stats['switches_from_host']} from host RAM), pool idle "
