@@ -117,15 +117,15 @@ def main() -> None:
 
 
 def report(runs: list[list[float]], first_seed: int) -> None:
-    firsts, endings = [], []
+    firsts, endings, reached = [], [], 0
     for seed, rw in enumerate(runs, first_seed):
         first = next((i for i, x in enumerate(rw) if x >= 0.8), None)
         last10, last5 = sum(rw[-10:]) / 10, sum(rw[-5:]) / 5
-        firsts.append(len(rw) if first is None else first)
+        reached += first is not None
+        firsts.append(len(rw) if first is None else first)  # never reached: sorts after every step
         endings.append((last10, last5))
         print(f"seed {seed:2d}: start {rw[0]:.3f}  first step >= 0.8: {first if first is not None else '-':>3}  "
               f"last 10 steps {last10:.3f}  last 5 {last5:.3f}")
-    reached = sum(f < len(rw) for f, rw in zip(firsts, runs))
     ended10, ended5 = (sum(e[i] >= 0.8 for e in endings) for i in (0, 1))
     worst5 = sorted(e[1] for e in endings)[:5]
     print(f"{reached}/{len(runs)} seeds reached 0.8 (median first step {sorted(firsts)[len(firsts) // 2]}); ended "

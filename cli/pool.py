@@ -48,14 +48,16 @@ def list_cmd(root: Optional[Path] = typer.Option(None, "--root", help=ROOT_HELP)
              profile: Optional[str] = typer.Option(None, "--profile", help="Cluster profile whose shared filesystem is the output root."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List the pools under an output root with their state and attached runs."""
+    from rlctl.launchers.attach import pools_root
     from rlctl.launchers.pool import list_pools
 
-    pools = list_pools(_root(root, profile))
+    base = _root(root, profile)
+    pools = list_pools(base)
     if as_json:
         print_json(pools)
         return
     if not pools:
-        typer.echo(f"no pools under {_root(root, profile) / 'pools'}")
+        typer.echo(f"no pools under {pools_root(base)}")
     for info in pools:
         runs = ", ".join((info.get("stats") or {}).get("runs", {})) or "-"
         typer.echo(f"{info['name']:<24} {info['state']:<10} {info['mode']:<5} {info['model'] or '-'}  runs: {runs}")

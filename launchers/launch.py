@@ -17,7 +17,7 @@ from typing import Callable
 
 from rlctl.launchers.groups import JobGroup, build_groups, check_group_time_limits, check_preempt_signal
 from rlctl.launchers.run_dirs import check_run_name, claim_run_dir, first_attempt
-from rlctl.launchers.status import output_root, output_root_origin
+from rlctl.launchers.status import output_root, output_root_and_origin
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import atomic_write_bytes, atomic_write_json, private_dir
 from rlctl.recipes.errors import RecipeError
@@ -181,8 +181,8 @@ def launch(refs, overrides=(), *, cluster: str | None = None, name: str | None =
     loaded = load_for_launch(refs, overrides, cluster)
     recipe, profile = loaded[0], loaded[1]
     check_submitter(profile, dry_run)
-    root = output_root(recipe, profile)
-    run = claim_run_dir(root, recipe.name, name, output_root_origin(recipe, profile))
+    root, origin = output_root_and_origin(recipe, profile)
+    run = claim_run_dir(root, recipe.name, name, origin)
     if run is None:
         existing = RunDir(root / name)
         if not existing.manifest.is_file():

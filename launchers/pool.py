@@ -39,7 +39,7 @@ def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | N
     """Start pool `name` (default: the recipe's name), or a new attempt of a stopped pool of that name."""
     from rlctl.launchers.launch import check_submitter, load_for_launch, start_attempt
     from rlctl.launchers.run_dirs import check_run_name, claim_run_dir, first_attempt, run_lock
-    from rlctl.launchers.status import output_root, output_root_origin, run_state
+    from rlctl.launchers.status import output_root_and_origin, run_state
 
     if name is not None:  # "" too: refused as by `rlctl launch`, not replaced by the recipe's name
         check_run_name(name)
@@ -51,8 +51,9 @@ def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | N
                           key="inference.disaggregation.enabled")
     check_submitter(profile, dry_run=False)
     name = check_run_name(recipe.name if name is None else name)
-    root = pools_root(output_root(recipe, profile))
-    pool = claim_run_dir(root, name, name, output_root_origin(recipe, profile))
+    output, origin = output_root_and_origin(recipe, profile)
+    root = pools_root(output)
+    pool = claim_run_dir(root, name, name, origin)
     loaded = (recipe, profile, *pool_job(recipe, profile, placement))
     if pool is not None:
         with first_attempt(pool, f"rlctl pool launch {name}"):  # a refused submission leaves no folder
@@ -95,11 +96,11 @@ def describe_pool(pool: RunDir) -> dict:
     """State, endpoint and live statistics of a pool (what `rlctl pool show` prints)."""
     from rlctl.launchers.status import load_manifest, run_state
 
-    status = run_state(pool.root)
     manifest, problem = load_manifest(pool.root)
     if manifest is None:  # listed, not raised: one damaged pool must not hide the others
         return {"name": pool.root.name, "pool_dir": str(pool.root), "state": "unknown", "reason": problem,
                 "mode": "-", "model": None}
+    status = run_state(pool.root, manifest)
     recipe = manifest.get("recipe") or {}
     try:
         endpoint = pool_endpoint(pool) if status.state == "running" else {}

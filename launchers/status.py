@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rlctl.orchestrator.exchange.layout import POOLS_DIR
 from rlctl.orchestrator.exchange.procstat import HAVE_PROC, start_epoch
 from rlctl.recipes.errors import RecipeError
 
@@ -103,12 +104,13 @@ def load_manifest(run_dir: Path | str) -> tuple[dict | None, str]:
 def output_root(recipe, profile) -> Path:
     """Where `rlctl launch` writes: `deployment.output_dir`, else $RLCTL_OUTPUT_DIR, else the profile's
     shared filesystem, else ./runs (`default_root` looks run names up in the same order)."""
-    return Path(_output_root_setting(recipe.deployment.output_dir, profile)[0]).expanduser().absolute()
+    return output_root_and_origin(recipe, profile)[0]
 
 
-def output_root_origin(recipe, profile) -> str:
-    """Where `output_root` took its folder from: the key a message about that folder names."""
-    return _output_root_setting(recipe.deployment.output_dir, profile)[1]
+def output_root_and_origin(recipe, profile) -> tuple[Path, str]:
+    """`output_root` and where it took its folder from: the key a message about that folder names."""
+    value, origin = _output_root_setting(recipe.deployment.output_dir, profile)
+    return Path(value).expanduser().absolute(), origin
 
 
 def default_root(profile: str | None = None) -> Path:
@@ -174,8 +176,8 @@ def resolve_run(ref: str, root: Path | str | None = None, kind: str = "run") -> 
         shown = ", ".join(d.name for d in named[-5:]) + (" ..." if len(named) > 5 else "")
         raise RunNotFound(f"run {ref!r} is ambiguous under {base}: {len(named)} runs match ({shown}); "
                           "pass the full run name")
-    if kind == "run" and _is_run(base / "pools" / ref):  # orchestrator/pool_attach.POOLS_DIR
-        raise RunNotFound(f"{ref!r} is a shared pool ({base / 'pools' / ref}), not a run: `rlctl pool stop {ref}` "
+    if kind == "run" and _is_run(base / POOLS_DIR / ref):
+        raise RunNotFound(f"{ref!r} is a shared pool ({base / POOLS_DIR / ref}), not a run: `rlctl pool stop {ref}` "
                           f"stops it, `rlctl monitor {ref}` shows it")
     raise RunNotFound(f"run {ref!r}: no run.json at {path} or under {base}; {hint}")
 
@@ -201,9 +203,11 @@ def list_runs(root: Path | str) -> list[Path]:
 # ------------------------------------------------------------------------------------------- state
 
 
-def run_state(run_dir: Path | str) -> RunStatus:
-    run_dir = Path(run_dir)
-    manifest, problem = load_manifest(run_dir)
+def run_state(run_dir: Path | str, manifest: dict | None = None) -> RunStatus:
+    """The run's state; `manifest`: its run.json as the caller already read it (read here when None)."""
+    run_dir, problem = Path(run_dir), ""
+    if manifest is None:
+        manifest, problem = load_manifest(run_dir)
     if manifest is None:
         return RunStatus("unknown", str(run_dir), run_dir.name, "unknown", reason=problem)
     recipe = manifest.get("recipe") or {}

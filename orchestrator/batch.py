@@ -34,6 +34,26 @@ class Rollout:
                    traj.reward_text if traj.reward_text is not None else traj.text, traj.finish_reason,
                    traj.start_version, loss_mask=traj.loss_mask, turns=traj.turns)
 
+    @classmethod
+    def from_routed_choice(cls, group_id: int, choice: dict, version: int) -> "Rollout":
+        """A whole (not streamed) completion choice with the experts inference routed its tokens to,
+        every token tagged with `version` (the one current when the request was sent)."""
+        from rlctl.inference.client import decode_routed_experts, routed_experts_payload
+
+        r = cls(group_id, choice["index"], list(choice.get("prompt_token_ids") or []),
+                list(choice.get("token_ids") or []), start_version=version)
+        r.logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        if not r.prompt_ids or len(r.logprobs) != len(r.completion_ids) or not choice.get("finish_reason"):
+            raise ValueError(f"choice {r.index}: incomplete (prompt ids, one logprob per token, finish reason)")
+        if not choice.get("routed_experts"):
+            raise ValueError("the server returned no routed_experts (router replay needs an MoE model served "
+                             "with --enable-return-routed-experts)")
+        routed = decode_routed_experts(choice["routed_experts"])
+        r.payload["routed_experts"] = routed_experts_payload(routed, len(r.prompt_ids), len(r.completion_ids))
+        r.versions = [version] * len(r.completion_ids)
+        r.text, r.finish_reason = choice.get("text") or "", choice["finish_reason"]
+        return r
+
     @property
     def trained_versions(self) -> list[int]:
         if self.loss_mask is None:

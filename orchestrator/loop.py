@@ -44,7 +44,7 @@ from rlctl.orchestrator.environments import Environment, MultiTurnEnvironment, P
 from rlctl.orchestrator.trajectory import Budget, SharedTurns, TokenClient
 from rlctl.orchestrator.completion_stream import raise_for_status, streamed_choices
 from rlctl.orchestrator.rewards import RewardScorer
-from rlctl.inference.client import SAMPLED_LOGPROBS, decode_routed_experts, policy_cache_salt, routed_experts_payload
+from rlctl.inference.client import SAMPLED_LOGPROBS, policy_cache_salt
 from rlctl.inference.server import SERVED_MODEL_NAME
 from rlctl.orchestrator.exchange.batches import BatchWriter
 
@@ -297,23 +297,7 @@ class RolloutLoop:
         choices = sorted(response.get("choices") or [], key=lambda c: c["index"])
         if len(choices) != self.s.group_size:
             raise ValueError(f"response has {len(choices)} choices for n = {self.s.group_size}")
-        rollouts = []
-        for choice in choices:
-            r = Rollout(group_id, choice["index"], start_version=version)
-            r.prompt_ids = list(choice.get("prompt_token_ids") or [])
-            r.completion_ids = list(choice.get("token_ids") or [])
-            r.logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
-            if not r.prompt_ids or len(r.logprobs) != len(r.completion_ids) or not choice.get("finish_reason"):
-                raise ValueError(f"choice {r.index}: incomplete (prompt ids, one logprob per token, finish reason)")
-            if not choice.get("routed_experts"):
-                raise ValueError("the server returned no routed_experts (router replay needs an MoE model served "
-                                 "with --enable-return-routed-experts)")
-            routed = decode_routed_experts(choice["routed_experts"])
-            r.payload["routed_experts"] = routed_experts_payload(routed, len(r.prompt_ids), len(r.completion_ids))
-            r.versions = [version] * len(r.completion_ids)
-            r.text, r.finish_reason = choice.get("text") or "", choice["finish_reason"]
-            rollouts.append(r)
-        return rollouts
+        return [Rollout.from_routed_choice(group_id, choice, version) for choice in choices]
 
     # ---- collector -------------------------------------------------------------------------------
     async def _collect(self, step: int) -> tuple[list[Group], StepStats]:

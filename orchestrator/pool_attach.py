@@ -17,9 +17,8 @@ from typing import Any
 
 import httpx
 
-from rlctl.orchestrator.exchange.layout import RunDir
+from rlctl.orchestrator.exchange.layout import POOLS_DIR, RunDir
 
-POOLS_DIR = "pools"
 POOL_SERVICE = "pool"
 
 

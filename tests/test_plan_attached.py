@@ -45,7 +45,7 @@ def pools(tmp_path, monkeypatch):
     states = {}
     from rlctl.launchers import status
 
-    monkeypatch.setattr(status, "run_state", lambda root: type("S", (), {
+    monkeypatch.setattr(status, "run_state", lambda root, _manifest=None: type("S", (), {
         "state": states.get(Path(root).name, "unknown"), "scheduler": "local", "job_id": None})())
 
     def make_pool(recipe: str, *overrides: str, runs=(), state: str = "running") -> RunDir:

@@ -97,7 +97,7 @@ def running_pool(tmp_path, monkeypatch):
     pool.announce("pool", "0", announcement)
     from rlctl.launchers import status
 
-    monkeypatch.setattr(status, "run_state", lambda _root: type("S", (), {"state": "running", "scheduler": "local", "job_id": None})())
+    monkeypatch.setattr(status, "run_state", lambda _root, _manifest=None: type("S", (), {"state": "running", "scheduler": "local", "job_id": None})())
     return tmp_path, pool, announcement
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from rlctl.orchestrator.exchange.files import atomic_write_bytes, atomic_write_json, private_dir
 
 ADMIN_TOKEN, API_KEY = "admin_token", "api_key"
+POOLS_DIR = "pools"  # shared inference pools live in <output root>/pools/<name>, beside the runs
 
 
 @dataclass(frozen=True)
