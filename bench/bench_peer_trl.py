@@ -20,7 +20,9 @@ the critical path needs without rlctl, max(vLLM alone on the same batch, the tra
 Goals (issue: weights and start-up): rollout tokens/s rlctl/TRL >= 0.9 (compute), >= 0.5 (generation);
 overhead <= 15 % of the step (generation).
 
-    python bench/bench_peer_trl.py [--variant toy|generation|compute|all] [--trl-python PY]
+    python bench/bench_peer_trl.py [--variant toy|generation|compute|all] [--trl-python PY] [--side SIDE ...]
+
+`--side rlctl vllm-alone --variant generation` prints the overhead alone, without TRL.
 
 `--trl-python` runs the TRL side with another interpreter (a venv with trl + accelerate + this package).
 """
@@ -320,27 +322,28 @@ def main() -> None:
     ap.add_argument("--variant", choices=[*VARIANTS, "all"], default="all")
     ap.add_argument("--trl-python", default=sys.executable, help="interpreter with trl + accelerate installed")
     ap.add_argument("--trl-max-steps", type=int, default=400)
-    ap.add_argument("--side", choices=["all", "trl", "rlctl", "vllm-alone"], default="all")
+    ap.add_argument("--side", choices=["all", "trl", "rlctl", "vllm-alone"], nargs="+", default=["all"],
+                    help="sides to run (rlctl vllm-alone: the overhead without TRL installed)")
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)  # a child side gets the shared model
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.environ.get("RLCTL_BENCH_CHILD"):
         variant = VARIANTS[args.variant]
         with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
-            row = (run_trl(variant, args.trl_max_steps, Path(tmp), args.model_dir) if args.side == "trl"
+            row = (run_trl(variant, args.trl_max_steps, Path(tmp), args.model_dir) if args.side == ["trl"]
                    else vllm_alone(variant, args.model_dir, Path(tmp)))
         print(json.dumps(row))
         return
-    results = {}
+    results, sides = {}, set(args.side)
     for name in VARIANTS if args.variant == "all" else [args.variant]:
         variant, rows = VARIANTS[name], {}
         with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
             model_dir = build_model(variant, Path(tmp))
-            if args.side in ("all", "rlctl"):
+            if sides & {"all", "rlctl"}:
                 rows["rlctl"] = launch_rlctl(variant, Path(tmp) / "runs", model_dir)
-            if args.side in ("all", "trl"):
+            if sides & {"all", "trl"}:
                 rows["trl"] = _child("trl", name, args.trl_python, model_dir, args.trl_max_steps)
-            if args.side in ("all", "vllm-alone") and variant.overhead_goal is not None:
+            if sides & {"all", "vllm-alone"} and variant.overhead_goal is not None:
                 rows["vllm-alone"] = _child("vllm-alone", name, sys.executable, model_dir, 0)
         results[name] = rows
         if not args.json:
