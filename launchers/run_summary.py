@@ -38,10 +38,11 @@ REPEAT_RE = re.compile(r"^--- last (\d+) lines of the server log ---$")
 # The supervisor polls every 0.2 s and stamps the exits it sees in one poll in task order: exits this
 # close together are one event, and which of them came first is decided otherwise (see culprit()).
 TIE_S = 0.5
-TRAINER_STEP_S, WAIT_BATCH_S = keys_of(Trainer, "trainer_step_time_s", "wait_batch_s")
+TRAINER_STEP_S, WAIT_BATCH_S, PUBLISH_S, ATTEMPT_START = keys_of(
+    Trainer, "trainer_step_time_s", "wait_batch_s", "weight_publish_s", "attempt_start")
 ORCH_STEP_S, WAIT_POLICY_S, REWARD = keys_of(Orch, "orchestrator_step_time_s", "wait_policy_s", "reward_mean")
 MEASURED_KEYS = {
-    "trainer": keys_of(Trainer, TRAINER_STEP_S, WAIT_BATCH_S, "weight_publish_s"),
+    "trainer": (TRAINER_STEP_S, WAIT_BATCH_S, PUBLISH_S),
     "orchestrator": keys_of(Orch, ORCH_STEP_S, WAIT_POLICY_S, "rollouts_per_s", "tokens_per_s",
                             "off_policy_lag_mean", "weight_reload_s"),
 }
@@ -65,11 +66,20 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _idle(records: list[dict], wait_key: str, step_key: str) -> float | None:
-    pairs = [(r[wait_key], r[step_key]) for r in records[-WINDOW:]
-             if isinstance(r.get(wait_key), (int, float)) and isinstance(r.get(step_key), (int, float))]
-    total = sum(s for _, s in pairs)
-    return min(1.0, max(0.0, sum(w for w, _ in pairs) / total)) if total > 0 else None
+def _idle(records: list[dict], wait_key: str, wall_keys: tuple[str, ...]) -> float | None:
+    """The share of the recent steps' wall time (the sum of `wall_keys`) spent in `wait_key`. An attempt's
+    first step is left out: the trainer's wait there is the servers' start-up, not inference being behind."""
+    rows = [[r.get(k) for k in (wait_key, *wall_keys)] for r in records[-WINDOW:] if not r.get(ATTEMPT_START)]
+    rows = [row for row in rows if all(isinstance(v, (int, float)) for v in row)]
+    total = sum(sum(row[1:]) for row in rows)
+    return min(1.0, max(0.0, sum(row[0] for row in rows) / total)) if total > 0 else None
+
+
+def _this_attempt(records: list[dict]) -> list[dict]:
+    """The recent records from the newest attempt's first step on: the time before it (a resume's gap) is no step."""
+    recent = records[-WINDOW:]
+    starts = [i for i, r in enumerate(recent) if r.get(ATTEMPT_START)]
+    return recent[starts[-1]:] if starts else recent
 
 
 def predicted_times(plan: dict) -> dict[str, float]:
@@ -88,7 +98,7 @@ def predicted_times(plan: dict) -> dict[str, float]:
 def _eta(trainer: list[dict], steps_done: int, max_steps: int | None) -> float | None:
     if not max_steps or steps_done >= max_steps:
         return 0.0 if max_steps else None
-    times = [r["time"] for r in trainer[-WINDOW:] if isinstance(r.get("time"), (int, float))]
+    times = [r["time"] for r in _this_attempt(trainer) if isinstance(r.get("time"), (int, float))]
     if len(times) >= 2:
         per_step = (times[-1] - times[0]) / (len(times) - 1)
     else:
@@ -300,8 +310,9 @@ def summarize(status: RunStatus, metrics: list[dict], errors: list[dict] | None 
         "predicted": predicted_times(status.plan),
         "measured": {k: v for k, v in measured.items() if v is not None},
         "idle": {
-            "trainer": _idle(trainer, WAIT_BATCH_S, TRAINER_STEP_S),
-            "inference": _idle(orch, WAIT_POLICY_S, ORCH_STEP_S),
+            # The trainer's step time leaves out its wait and publish; the orchestrator's includes its wait.
+            "trainer": _idle(trainer, WAIT_BATCH_S, (WAIT_BATCH_S, TRAINER_STEP_S, PUBLISH_S)),
+            "inference": _idle(orch, WAIT_POLICY_S, (ORCH_STEP_S,)),
         },
         "errors": errors or [],
         "last_update": max((r["time"] for r in metrics if isinstance(r.get("time"), (int, float))), default=None),

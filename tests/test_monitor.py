@@ -98,7 +98,9 @@ def test_once_json_on_finished_run(cli, finished):
     assert data["predicted"]["trainer_step_time_s"] == 0.9
     # median over steps 0..5 of 0.8 + 0.05*step
     assert data["measured"]["trainer_step_time_s"] == pytest.approx(0.8 + 0.05 * 2.5)
-    assert data["idle"]["trainer"] == pytest.approx(1.2 / sum(0.8 + 0.05 * s for s in range(6)))
+    # waiting over the trainer's wall time: wait + step + publish (its step time leaves out both)
+    assert data["idle"]["trainer"] == pytest.approx(1.2 / (1.2 + sum(0.8 + 0.05 * s for s in range(6)) + 6 * 0.04))
+    assert data["idle"]["inference"] == pytest.approx(6 * 0.25 / sum(1.0 + 0.1 * (s % 3) for s in range(6)))
     assert data["errors"] == []
 
 
@@ -387,3 +389,22 @@ def test_the_first_attempt_is_attempt_0(tmp_path):
 
     atomic_write_json(tmp_path / "run.json", {"name": "r", "scheduler": "local", "attempt": 0})
     assert run_state(tmp_path).attempt == 0
+
+
+def test_idle_and_eta_leave_out_each_attempt_start_and_the_gap_before_it(tmp_path):
+    """An attempt's first trainer step waits for the servers to start, and a resume's first step comes
+    after the time the run was down: neither is the trainer idle because inference is behind, nor a step."""
+    from rlctl.launchers.run_summary import summarize
+    from rlctl.launchers.status import RunStatus
+
+    def record(step, t, wait, first=False):
+        return {"component": "trainer", "step": step, "time": t, "trainer_step_time_s": 0.3, "wait_batch_s": wait,
+                "weight_publish_s": 0.1, "attempt_start": first}
+
+    first = [record(0, 100.0, 30.0, True)] + [record(s, 100.0 + s, 0.6) for s in range(1, 5)]
+    resumed = [record(5, 4000.0, 45.0, True)] + [record(s, 4000.0 + 2 * (s - 5), 1.6) for s in range(6, 9)]
+    status = RunStatus("running", str(tmp_path), "r", "local", max_steps=20)
+    summary = summarize(status, first + resumed)
+    # steady steps: 4 at 0.6 s wait and 3 at 1.6 s, each with 0.4 s of step + publish
+    assert summary["idle"]["trainer"] == pytest.approx((4 * 0.6 + 3 * 1.6) / (4 * 1.0 + 3 * 2.0))
+    assert summary["eta_s"] == pytest.approx(2.0 * (20 - 9))  # this attempt's 2 s per step, not the gap

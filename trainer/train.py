@@ -169,6 +169,7 @@ class Trainer:
             if self.rank == 0:
                 record = TrainerStepRecord(
                     step=step, trainer_step_time_s=step_s, wait_batch_s=wait_s, weight_publish_s=publish_s,
+                    attempt_start=step == self.start_step,
                     reward_mean_batch=float(batch["rewards"].float().mean()) if "rewards" in batch else None,
                     policy_version_max=meta.get("policy_version_max"), **metrics,
                 )

@@ -47,6 +47,8 @@ class TrainerStepRecord(StepRecord):
     """Seconds waiting for `rollouts/step_N` (the trainer idle because inference is behind)."""
     weight_publish_s: float
     """Seconds publishing the new weights (`weights/step_N+1`)."""
+    attempt_start: bool = False
+    """The first step of an attempt: its wait_batch_s includes the servers' start-up, not inference being behind."""
     loss: float
     """Sum of the per-token loss over the batch."""
     grad_norm: float
