@@ -11,7 +11,7 @@ from rlctl.cli.common import print_json, user_errors
 def resume_cmd(
     run: str = typer.Argument(..., help="Run directory or run name."),
     step: Optional[int] = typer.Option(None, "--step", help="Resume from checkpoints/step_N (default: the newest complete one)."),
-    source: Optional[str] = typer.Option(None, "--from", help="Start from another run's checkpoint: OTHER_RUN/checkpoints/step_N."),
+    source: Optional[str] = typer.Option(None, "--from", help="Start from another run's checkpoint: OTHER_RUN/checkpoints/step_N (OTHER_RUN: a run directory or name)."),
     wait: bool = typer.Option(False, "--wait", help="Follow the new attempt until it ends; exit non-zero if it failed."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
@@ -30,7 +30,7 @@ def resume_cmd(
     if step is not None and step < 0:
         raise RecipeError(f"must be >= 0 (got {step})", key="--step")
     rd = RunDir(resolve_run(run))
-    result, plan = resume(rd, step, Path(source) if source else None)
+    result, plan = resume(rd, step, _checkpoint_source(source) if source else None)
     submission = None
     if as_json:
         submission = {"run_dir": str(result.run.root), "attempt": result.attempt, "scheduler": result.scheduler,
@@ -47,3 +47,16 @@ def resume_cmd(
 
 def register(app: typer.Typer) -> None:
     app.command("resume")(user_errors(resume_cmd))
+
+
+def _checkpoint_source(source: str):
+    """`--from` as a path; where no such path exists, `NAME/checkpoints/step_N` with NAME a run name, found
+    as RUN is (under the output root)."""
+    from pathlib import Path
+
+    from rlctl.launchers.status import resolve_run
+
+    path, parts = Path(source).expanduser(), Path(source).parts
+    if not path.exists() and len(parts) == 3 and parts[1] == "checkpoints":
+        return resolve_run(parts[0]) / "checkpoints" / parts[2]
+    return path

@@ -282,6 +282,20 @@ def test_from_refuses_sources_others_could_have_altered(tmp_path, how):
     assert snapshot(target) == before
 
 
+def test_from_finds_the_other_run_by_name_as_run_does(tmp_path):
+    """`--from NAME/checkpoints/step_N` with no such path here: NAME is looked up under the output root."""
+    src, target = source_run(tmp_path), idle_target(tmp_path)
+    (src.checkpoints / "step_2" / "trainer" / "__0_0.distcp").chmod(0o664)  # refused once found: nothing starts
+    (src.root / "run.json").write_text((target.root / "run.json").read_text())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {"RLCTL_OUTPUT_DIR": str(tmp_path)}
+    found = rlctl("resume", "dst", "--from", "src/checkpoints/step_2", env=env, cwd=elsewhere)
+    assert found.returncode == 2 and "writable by group or others" in one_line(found.stderr), found.stderr
+    unknown = rlctl("resume", "dst", "--from", "nope/checkpoints/step_2", env=env, cwd=elsewhere)
+    assert unknown.returncode == 2 and "run 'nope'" in one_line(unknown.stderr), unknown.stderr
+
+
 # ------------------------------------------------------------------------------------ local runs
 
 
