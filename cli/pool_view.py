@@ -34,7 +34,7 @@ def _totals(stats: dict) -> Text:
 def _runs(stats: dict) -> Table | Text:
     runs = stats.get("runs") or {}
     if not runs:
-        return Text("no run attached", style="dim")
+        return Text("no run attached now", style="dim")
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("run", "share", "requests", "queued", "waited", "served with"):
         table.add_column(column, justify="left" if column in ("run", "served with") else "right")
@@ -48,7 +48,9 @@ def render_pool(info: dict) -> Panel:
     parts: list = [_header(info)]
     stats = info.get("stats")
     if stats:
-        parts += [Text(""), _totals(stats), Text(""), _runs(stats)]
+        parts += [Text(""), _totals(stats)]
+        if stats.get("idle_fraction") is not None:  # before the first attach _totals already said so
+            parts += [Text(""), _runs(stats)]
     elif info["state"] == "running":
         parts.append(Text("the front has not announced itself yet", style="dim"))
     return Panel(Group(*parts), title="rlctl pool", title_align="left")

@@ -147,3 +147,20 @@ def test_monitor_shows_a_pool_by_name_or_directory(running_pool, cli):
     assert refused.exit_code == 2 and "--wait follows a run" in refused.output, refused.output
     missing = cli("monitor", "nope", "--root", root, "--once")
     assert missing.exit_code == 2 and "nor is it a pool" in missing.output, missing.output
+
+
+def test_pool_view_says_once_that_no_run_attached_yet():
+    from rich.console import Console
+
+    from rlctl.cli.pool_view import render_pool
+
+    def shown(stats: dict) -> str:
+        console = Console(record=True, width=100, color_system=None)
+        console.print(render_pool({"name": "p", "state": "running", "mode": "full", "model": "m", "servers": 1,
+                                   "url": None, "stats": stats}))
+        return console.export_text()
+
+    before = shown({"idle_fraction": None, "runs": {}})
+    assert before.count("no run attached") == 1 and "no run attached yet" in before
+    after = shown({"idle_fraction": 0.5, "uptime_s": 10.0, "inflight": 0, "switches": 0, "switch_s": 0.0, "runs": {}})
+    assert "no run attached now" in after and "yet" not in after
