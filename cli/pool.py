@@ -94,7 +94,7 @@ def stop_cmd(pool: str = typer.Argument(..., help="Pool name (or its directory).
 
     if not timeout >= 0:  # nan too
         raise RecipeError(f"must be >= 0 seconds (got {timeout})", key="--timeout")
-    typer.echo(cancel_run(resolve_pool(pool, _root(root, profile)), timeout))
+    typer.echo(cancel_run(resolve_pool(pool, _root(root, profile)), timeout, kind="pool"))
 
 
 def register(app: typer.Typer) -> None:

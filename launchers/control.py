@@ -40,21 +40,21 @@ def run_active(run: RunDir) -> bool:
     return run_state(run.root).state in ("pending", "running")
 
 
-def cancel_run(run: RunDir, timeout: float = 60.0) -> str:
+def cancel_run(run: RunDir, timeout: float = 60.0, kind: str = "run") -> str:
     """Under the run's lock: a resume or launch in progress makes this fail naming it (RunLocked),
-    instead of finding nothing running while that attempt starts."""
+    instead of finding nothing running while that attempt starts. `kind` (run, pool) names it in the answer."""
     from rlctl.launchers.run_dirs import run_lock
 
     with run_lock(run, f"rlctl cancel {run.root.name}"):
-        return _cancel(run, timeout)
+        return _cancel(run, timeout, kind)
 
 
-def _cancel(run: RunDir, timeout: float) -> str:
+def _cancel(run: RunDir, timeout: float, kind: str) -> str:
     info = run.read_manifest()
     if info.get("scheduler") == "slurm":
         job = info.get("job_id")
         if not job:
-            raise RecipeError(f"run {run.root.name} has no job id (dry run?): nothing to cancel")
+            raise RecipeError(f"{kind} {run.root.name} has no job id (dry run?): nothing to cancel")
         from rlctl.launchers.slurm_state import component_states, job_finished
         from rlctl.launchers.het_script import strip_slurm_env
 
@@ -63,7 +63,7 @@ def _cancel(run: RunDir, timeout: float) -> str:
 
         before = component_states(job)
         if before and job_finished(before):  # scancel of an ended job succeeds and does nothing
-            return f"run {run.root.name} is not running (job {job} already ended: {summary(before)})"
+            return f"{kind} {run.root.name} is not running (job {job} already ended: {summary(before)})"
         env = {k: v for k, v in os.environ.items() if k not in strip_slurm_env(dict(os.environ))}
         out = subprocess.run(["scancel", str(job)], capture_output=True, text=True, env=env)
         if out.returncode != 0:
@@ -78,14 +78,14 @@ def _cancel(run: RunDir, timeout: float) -> str:
     sup = _supervisor(run)
     pid = sup.get("pid") or info.get("supervisor_pid")
     if sup.get("state") in ("exited", "cancelled") or not pid or not _is_our_supervisor(int(pid), run):
-        return f"run {run.root.name} is not running (supervisor state: {sup.get('state', 'unknown')})"
+        return f"{kind} {run.root.name} is not running (supervisor state: {sup.get('state', 'unknown')})"
     os.kill(int(pid), signal.SIGTERM)
     deadline = time.time() + timeout
     while time.time() < deadline and _is_our_supervisor(int(pid), run):
         time.sleep(0.2)
     if _is_our_supervisor(int(pid), run):
         return f"sent SIGTERM to supervisor {pid}; still running after {timeout:g}s"
-    return f"cancelled local run {run.root.name} (supervisor {pid} stopped every task)"
+    return f"cancelled local {kind} {run.root.name} (supervisor {pid} stopped every task)"
 
 
 def _attempt_dir(run: RunDir, attempt: int | None) -> Path:

@@ -116,6 +116,7 @@ def test_cancelling_one_run_leaves_the_others_and_the_pool(pool_runs):
 
 def test_stop_leaves_nothing_behind(pool_runs):
     assert pool_runs.stopped.returncode == 0, pool_runs.stopped.stderr
+    assert f"cancelled local pool {POOL} " in pool_runs.stopped.stdout, pool_runs.stopped.stdout
     assert pool_show(pool_runs.root)["state"] == "cancelled"
     pool_dir = pool_runs.root / "pools" / POOL
     for run in (pool_dir, *(pool_runs.root / n for n in (*PAIR, "doomed"))):
