@@ -100,7 +100,9 @@ def _progress(summary: dict) -> Table:
 
 
 def _sparks(summary: dict, metrics: list[dict]) -> Table:
-    from rlctl.launchers.run_summary import by_step, series
+    import statistics
+
+    from rlctl.launchers.run_summary import WINDOW, by_step, series
 
     table = Table(title="metrics (last 40 steps)", title_justify="left", box=None, padding=(0, 2))
     for col, justify in (("metric", "left"), ("trend", "left"), ("last", "right"), ("median", "right"), ("plan", "right")):
@@ -110,11 +112,8 @@ def _sparks(summary: dict, metrics: list[dict]) -> Table:
     for component, key, label, plan_key in SPARK_ROWS + (EVAL_ROWS if evals else ()):
         label = label.format(k=evals[-1].get("k", "k") if evals else "k")
         values = [v for _, v in series(records[component], key)]
-        median = summary["measured"].get(key)
-        if key == SPARK_ROWS[0][1] and values:
-            import statistics
-
-            median = statistics.median(values[-20:])
+        # Each row's own series: the eval rows share key names with the orchestrator's (reward_mean)
+        median = statistics.median(values[-WINDOW:]) if values else None
         predicted = summary["predicted"].get(plan_key) if plan_key else None
         table.add_row(label, Text(sparkline(values), style="cyan"), _num(values[-1] if values else None),
                       _num(median), _num(predicted) if plan_key else "")

@@ -117,6 +117,10 @@ def test_monitor_and_plot_show_eval(tmp_path):
     console.print(render_summary(summary, read_records(run)))
     text = console.export_text()
     assert "eval reward" in text and "0.6" in text and "eval pass@1" in text
+    cells = [line.strip("│ ").split() for line in text.splitlines() if "eval " in line]
+    rows = {" ".join(c[:2]): c for c in cells}
+    # last and median of each row's own series (pass@1's median was '-': there is no such orchestrator key)
+    assert rows["eval reward"][-2:] == ["0.6", "0.35"] and rows["eval pass@1"][-2:] == ["0.3", "0.175"], rows
     pytest.importorskip("matplotlib")
     from rlctl.cli.monitor import write_plot
 
