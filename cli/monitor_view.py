@@ -136,7 +136,7 @@ def _idle(summary: dict) -> Text:
 
 def _heartbeats(summary: dict) -> Text | None:
     rows = summary.get("heartbeats") or []
-    if not rows:
+    if not rows or summary["state"] == "completed":  # a finished run's last beats say nothing (a failed one's may)
         return None
     text = Text("heartbeats  ")
     for h in rows:

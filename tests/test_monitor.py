@@ -408,3 +408,21 @@ def test_idle_and_eta_leave_out_each_attempt_start_and_the_gap_before_it(tmp_pat
     # steady steps: 4 at 0.6 s wait and 3 at 1.6 s, each with 0.4 s of step + publish
     assert summary["idle"]["trainer"] == pytest.approx((4 * 0.6 + 3 * 1.6) / (4 * 1.0 + 3 * 2.0))
     assert summary["eta_s"] == pytest.approx(2.0 * (20 - 9))  # this attempt's 2 s per step, not the gap
+
+
+@pytest.mark.parametrize("state, shown", [("running", True), ("failed", True), ("completed", False)])
+def test_heartbeats_are_shown_unless_the_run_completed(state, shown):
+    """A completed run's last beats ('waiting for trainer (final weights)', 'ok (3 h ago)') say nothing;
+    a failed run's last beat may say what it waited on."""
+    from rich.console import Console
+
+    from rlctl.cli.monitor_view import render_summary
+
+    beat = {"component": "orchestrator", "group": "orchestrator", "progress": 5, "waiting_for": "trainer (final weights)",
+            "since_progress_s": 2.0, "stalled": False, "stalled_s": None}
+    summary = {"name": "r", "state": state, "scheduler": "local", "attempt": 0, "run_dir": "r", "components": [],
+               "steps_done": 5, "max_steps": 5, "eta_s": None, "step": 4, "measured": {}, "predicted": {},
+               "idle": {}, "errors": [], "heartbeats": [beat]}
+    console = Console(record=True, width=130, color_system=None)
+    console.print(render_summary(summary, []))
+    assert ("waiting for trainer (final weights)" in console.export_text()) == shown
