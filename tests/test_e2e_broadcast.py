@@ -39,20 +39,31 @@ def test_learns_like_the_filesystem_transport(broadcast_run):
           f"median publish {publish[len(publish) // 2]:.3f}s, median reload {reload[len(reload) // 2]:.3f}s")
 
 
-def test_steps_hold_a_manifest_and_no_tensor_files(broadcast_run):
+def test_steps_hold_a_manifest_and_the_last_the_trained_model(broadcast_run):
+    """Every step but the last is a manifest (no tensor files); the last is the trained model as files, an
+    HF folder as a filesystem run leaves it (a broadcast leaves no model anywhere else but the checkpoint)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     weights = broadcast_run.run / "weights"
     steps = sorted(weights.glob("step_*"), key=lambda p: int(p.name[5:]))
-    assert steps and steps[-1].name == f"step_{MAX_STEPS}" and len(steps) <= 3  # retention as with files
-    for step in steps:
+    assert steps and steps[-1].name == f"step_{MAX_STEPS}" and 2 <= len(steps) <= 3  # retention as with files
+    for step in steps[:-1]:
         assert sorted(p.name for p in step.iterdir()) == ["COMPLETE", "broadcast.json", "config.json"]
-    assert json.loads((steps[-1] / "broadcast.json").read_text())["serving"] is True
+    assert json.loads((steps[-2] / "broadcast.json").read_text())["serving"] is True
+    files = sorted(p.name for p in steps[-1].iterdir())
+    assert "broadcast.json" not in files and {"COMPLETE", "config.json", "model.safetensors.index.json"} <= set(files)
+    trained = AutoModelForCausalLM.from_pretrained(steps[-1]).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(broadcast_run.run / "model").state_dict()
+    assert trained.keys() == initial.keys()
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)
 
 
-def test_every_step_was_broadcast_to_the_worker(broadcast_run):
+def test_every_step_but_the_last_was_broadcast_to_the_worker(broadcast_run):
     logs = "\n".join(p.read_text(errors="replace")
                      for p in (broadcast_run.run / "logs").glob("attempt_*/**/trainer*.log"))
     sent = [line for line in logs.splitlines() if "broadcast to 1 worker(s)" in line]
-    assert len(sent) == MAX_STEPS, logs[-3000:]
+    assert len(sent) == MAX_STEPS - 1, logs[-3000:]  # steps 1..79; step 0 is the model the servers start from
     assert "not broadcast" not in logs
 
 

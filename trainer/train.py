@@ -84,7 +84,8 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, self.loss_fn, self.cfg, self.dims, self.mesh, self.device,
             moe=self.is_moe, router_replay=self.cfg.router_replay,
         )
-        self.weight_store = FilesystemWeightStore(run.weights)
+        self.weight_files = FilesystemWeightStore(run.weights)  # also the broadcast run's last step
+        self.weight_store = self.weight_files
         if recipe.weights.transport == "broadcast":
             from rlctl.trainer.weights_broadcast import broadcast_store
 
@@ -116,8 +117,9 @@ class Trainer:
     def publish(self, step: int) -> float:
         """Collective: every rank writes its share of the full weights, in the serving dtype, as
         `weights/step_N` (no rank gathers the whole model); rank 0 then deletes the published steps
-        retention lets go. Returns the seconds the publishing took."""
-        if self.recipe.weights.transport == "broadcast":  # rank 0 sends straight to the inference workers
+        retention lets go. Returns the seconds the publishing took. With the broadcast transport the last
+        step is written as files too: it is the trained model, which a run leaves as an HF folder."""
+        if self.recipe.weights.transport == "broadcast" and step < self.max_steps:  # rank 0 sends to the workers
             from rlctl.trainer.weights_broadcast import publish_broadcast
 
             return publish_broadcast(self, step)
@@ -130,10 +132,10 @@ class Trainer:
         t0 = time.perf_counter()
         group = ProcessGroupRanks()
         buckets = publish_buckets(self.model, self.hf_config, serving_dtype(self.recipe), group.rank, group.world)
-        self.weight_store.publish(step, self.hf_config, buckets, group)
+        self.weight_files.publish(step, self.hf_config, buckets, group)
         elapsed = time.perf_counter() - t0
         if self.rank == 0:
-            retain_weights(self.run, self.weight_store, self.recipe.weights.keep_last)
+            retain_weights(self.run, self.weight_files, self.recipe.weights.keep_last)
         return elapsed
 
     # ---- one step ------------------------------------------------------------------------
