@@ -8,9 +8,13 @@ template (its tokenizer's `chat_template`) unless `apply_chat_template = false`.
 The environment's own reward (`orchestrator.dataset.reward`) is a cheap comparison with the row's
 answer, run inline (`reward_inline`); math, code or custom rewards are set in `[orchestrator.reward]`,
 which replaces it and runs in the reward process pool.
+
+A row whose rendered prompt fills the servers' whole context (`inference.max_model_len` tokens or more)
+is skipped with a warning naming it: vLLM refuses such a request, and one row would fail the run.
 """
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any, Callable
 
@@ -20,6 +24,7 @@ from rlctl.orchestrator.environments import Environment, Prompt, load_environmen
 from rlctl.recipes.errors import RecipeError
 
 RewardFn = Callable[[str, str], float]
+log = logging.getLogger(__name__)
 
 
 def exact_match(completion: str, answer: str) -> float:
@@ -49,7 +54,8 @@ class DatasetEnvironment(Environment):
 
     reward_inline = True  # a string comparison: cheaper inline than a round trip to a reward worker
 
-    def __init__(self, cfg, seed: int, template: ChatTemplate | None = None):
+    def __init__(self, cfg, seed: int, template: ChatTemplate | None = None, context: tuple[Any, int] | None = None):
+        """`context`: (the model's tokenizer, the servers' max_model_len); rows whose prompt fills it are skipped."""
         needs_template = cfg.messages_column is not None or cfg.apply_chat_template
         if needs_template and template is None:
             raise RecipeError("rendering prompts needs the model's chat template (none was loaded)",
@@ -64,13 +70,17 @@ class DatasetEnvironment(Environment):
         if cfg.eval_path is not None:
             self.eval = load_rows(cfg, "eval_path")
         self.cursor = Cursor(len(self.train), self.seed, cfg.shuffle)
+        self.context = context
+        self.too_long: set[tuple[str, int]] = set()  # (split, row) skipped: each is named once
 
     @classmethod
     def from_recipe(cls, recipe, run) -> "DatasetEnvironment":
         cfg = recipe.orchestrator.dataset
         needs_template = cfg.messages_column is not None or cfg.apply_chat_template
         template = ChatTemplate(model_dir(recipe, run), f"{KEY}.apply_chat_template") if needs_template else None
-        return cls(cfg, recipe.orchestrator.seed, template)
+        tokenizer = template.tokenizer if template is not None else load_tokenizer(model_dir(recipe, run))
+        context = (tokenizer, recipe.inference.max_model_len) if tokenizer is not None else None
+        return cls(cfg, recipe.orchestrator.seed, template, context)
 
     def render(self, row: Row, split: str) -> Prompt:
         if self.template is None:
@@ -82,13 +92,38 @@ class DatasetEnvironment(Environment):
             text = self.template.render(messages)
         return Prompt(text, row.answer, {"row": row.index, "split": split})
 
+    def fits(self, prompt: Prompt) -> bool:
+        """Whether the servers can take `prompt` (it leaves a token of their context); names a row that does not, once."""
+        if self.context is None:
+            return True
+        tokenizer, limit = self.context
+        tokens = len(tokenizer(prompt.text)["input_ids"])  # as vLLM tokenizes a completion's prompt
+        if tokens < limit:
+            return True
+        where = (prompt.info["split"], prompt.info["row"])
+        if where not in self.too_long:
+            self.too_long.add(where)
+            log.warning("%s row %d of the dataset skipped: its prompt is %d tokens, and the servers' context "
+                        "(inference.max_model_len) is %d", *where, tokens, limit)
+        return False
+
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        """The next `n` rows in the dataset's own seeded order (`rng` is not used: the cursor is the state)."""
-        return [self.render(self.train[self.cursor.next()], "train") for _ in range(n)]
+        """The next `n` rows that fit the servers' context, in the dataset's own seeded order (`rng` is not
+        used: the cursor is the state)."""
+        prompts: list[Prompt] = []
+        skipped = 0
+        while len(prompts) < n:
+            prompt = self.render(self.train[self.cursor.next()], "train")
+            if self.fits(prompt):
+                prompts.append(prompt)
+            elif (skipped := skipped + 1) >= len(self.train):  # a whole epoch of rows too long
+                raise RecipeError(f"no training row's prompt fits the servers' context ({self.context[1]} tokens): "
+                                  "raise it or shorten the prompts", key="inference.max_model_len")
+        return prompts
 
     def eval_prompts(self, limit: int | None = None) -> list[Prompt]:
-        """The eval split in file order (the first `limit` rows when given)."""
-        return [self.render(row, "eval") for row in self.eval[:limit]]
+        """The eval split in file order (the first `limit` rows when given), less the rows too long."""
+        return [p for p in (self.render(row, "eval") for row in self.eval[:limit]) if self.fits(p)]
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
         return float(self.score(completion_text, prompt.target))
@@ -117,6 +152,19 @@ def check_dataset_environment_args(args: dict[str, Any]) -> None:
     if args:
         raise RecipeError("the dataset environment takes no args: configure it in [orchestrator.dataset]",
                           key="orchestrator.environment.args")
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer from local files, or None (with a warning) when it has none: prompts are
+    then sent unchecked, as before a tokenizer was needed for plain prompts."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer at %s (%s): dataset prompts are not checked against inference.max_model_len",
+                    model, str(exc)[:200])
+        return None
 
 
 def eval_environment(recipe, run, env: Environment) -> DatasetEnvironment | None:

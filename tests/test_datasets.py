@@ -173,3 +173,29 @@ def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "d.jsonl", ROWS[:3]).read_bytes())
     assert [r.answer for r in load_rows(dataset(path))] == ["0", "1", "2"]
+
+
+def test_rows_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(tmp_path, caplog):
+    """vLLM refuses a prompt of max_model_len tokens or more, and the retries of that one group then failed
+    the run: such a row is skipped (named once in the log), in training and in evaluation."""
+    from rlctl.trainer.tiny_model import _build_tokenizer
+
+    tokenizer = _build_tokenizer()
+    rows = [{"prompt": "ab" * (40 if i in (3, 7) else 1), "answer": str(i)} for i in range(10)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    limit = len(tokenizer("ab" * 40)["input_ids"])  # rows 3 and 7 fill it exactly
+    assert len(tokenizer("ab")["input_ids"]) < limit
+    env = DatasetEnvironment(dataset(path, eval_path=str(path)), 0, context=(tokenizer, limit))
+    with caplog.at_level("WARNING"):
+        drawn = [env.sample_prompts(random.Random(0), 1)[0] for _ in range(25)]  # 2.5 epochs of 10 rows
+        evaluated = env.eval_prompts()
+    assert {p.info["row"] for p in drawn} == set(range(10)) - {3, 7}
+    assert [p.info["row"] for p in evaluated] == [i for i in range(10) if i not in (3, 7)]
+    named = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert sorted(named) == sorted(f"{split} row {i} of the dataset skipped: its prompt is {limit} tokens, and the "
+                                   f"servers' context (inference.max_model_len) is {limit}"
+                                   for split in ("train", "eval") for i in (3, 7))
+    never = DatasetEnvironment(dataset(path), 0, context=(tokenizer, 1))
+    with pytest.raises(RecipeError) as err:
+        never.sample_prompts(random.Random(0), 1)
+    assert err.value.key == "inference.max_model_len"
