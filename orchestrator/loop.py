@@ -368,6 +368,7 @@ class RolloutLoop:
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         async with aiohttp.ClientSession(connector=connector) as session:
             dispatcher = asyncio.create_task(self._dispatch(session))
+            dispatcher.add_done_callback(self._task_done)  # an environment that raises sampling fails the loop
             try:
                 for step in range(self.s.start_step, self.end_step):
                     groups, stats = await self._collect(step)

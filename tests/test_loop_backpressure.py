@@ -77,3 +77,21 @@ def test_a_batch_is_published_only_after_its_metrics_record(tmp_path):
                            on_batch=lambda step, groups, m: events.append(("record", step)))
         asyncio.run(asyncio.wait_for(loop.run(), 60))
     assert events == [(kind, step) for step in range(3) for kind in ("record", "batch")]
+
+
+def test_an_environment_that_raises_while_sampling_fails_the_loop(tmp_path):
+    """The dispatcher draws prompts: an error there (a user's environment, or no dataset row fitting the
+    context) ends the loop with that error; the collector waited for groups forever."""
+    import pytest
+
+    class Broken(type(load_environment("count_a"))):
+        def sample_prompts(self, rng, n):
+            raise ZeroDivisionError("the environment's own bug")
+
+    settings = LoopSettings(rollouts_per_step=8, group_size=4, max_tokens=2, max_off_policy_steps=1,
+                            max_in_flight=16, start_step=0, max_steps=2)
+    with sim_server(token_delay=0.0, token="secret") as url:
+        loop = RolloutLoop(settings, Broken(), url, "secret", PolicyVersion(0), FilesystemBatchWriter(tmp_path),
+                           rng=random.Random(0))
+        with pytest.raises(ZeroDivisionError, match="own bug"):
+            asyncio.run(asyncio.wait_for(loop.run(), 30))
