@@ -172,8 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rlctl.inference[{index}]: starting ({target}): {format_command(cmd)}", flush=True)
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def request_stop(*_) -> None:
+        # Said at once, as one write (no buffer a handler could re-enter): the launcher's stop reaches
+        # vLLM too, and what it logs after this line (EngineDeadError...) is the summary's shutdown noise.
+        if not stop.is_set():
+            os.write(sys.stdout.fileno(), f"rlctl.inference[{index}]: stop requested, stopping the server\n".encode())
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
     started = time.monotonic()
     # Own process group so we can stop it (and vLLM's engine, workers, resource tracker) without signalling
     # ourselves; inside our session, so the launcher reaches it even if we die first.
@@ -230,13 +238,11 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key
         if done.exists():
             print(f"rlctl.inference[{index}]: run finished, stopping the server", flush=True)
             return 0
-        if stop.is_set():
-            print(f"rlctl.inference[{index}]: stop requested, stopping the server", flush=True)
+        if stop.is_set():  # request_stop said so
             return 143
         if (code := exit_status(proc)) is not None:
             time.sleep(0.5)
             if stop.is_set():
-                print(f"rlctl.inference[{index}]: stop requested, stopping the server", flush=True)
                 return 143
             return _fail(f"server {index} died with code {code}", tail)
         if time.monotonic() >= next_probe:
