@@ -100,9 +100,7 @@ def _progress(summary: dict) -> Table:
 
 
 def _sparks(summary: dict, metrics: list[dict]) -> Table:
-    import statistics
-
-    from rlctl.launchers.run_summary import WINDOW, by_step, series
+    from rlctl.launchers.run_summary import by_step, recent_median, series
 
     table = Table(title="metrics (last 40 steps)", title_justify="left", box=None, padding=(0, 2))
     for col, justify in (("metric", "left"), ("trend", "left"), ("last", "right"), ("median", "right"), ("plan", "right")):
@@ -113,7 +111,7 @@ def _sparks(summary: dict, metrics: list[dict]) -> Table:
         label = label.format(k=evals[-1].get("k", "k") if evals else "k")
         values = [v for _, v in series(records[component], key)]
         # Each row's own series: the eval rows share key names with the orchestrator's (reward_mean)
-        median = statistics.median(values[-WINDOW:]) if values else None
+        median = recent_median(records[component], key)
         predicted = summary["predicted"].get(plan_key) if plan_key else None
         table.add_row(label, Text(sparkline(values), style="cyan"), _num(values[-1] if values else None),
                       _num(median), _num(predicted) if plan_key else "")

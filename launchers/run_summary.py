@@ -61,7 +61,8 @@ def series(records: list[dict], key: str) -> list[tuple[int, float]]:
     return [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
 
 
-def _median(records: list[dict], key: str) -> float | None:
+def recent_median(records: list[dict], key: str) -> float | None:
+    """The median of `key` over the last WINDOW records (a record without it is left out)."""
     values = [v for _, v in series(records[-WINDOW:], key)]
     return statistics.median(values) if values else None
 
@@ -102,7 +103,7 @@ def _eta(trainer: list[dict], steps_done: int, max_steps: int | None) -> float |
     if len(times) >= 2:
         per_step = (times[-1] - times[0]) / (len(times) - 1)
     else:
-        per_step = _median(trainer, TRAINER_STEP_S)
+        per_step = recent_median(trainer, TRAINER_STEP_S)
     return None if per_step is None else per_step * (max_steps - steps_done)
 
 
@@ -284,7 +285,7 @@ def summarize(status: RunStatus, metrics: list[dict], errors: list[dict] | None 
     stalled_groups = {h["group"] for h in beat_rows if h["stalled"]}
     last = trainer or orch
     steps_done = len(trainer) if trainer else len(orch)
-    measured = {key: _median(recs, key) for recs, keys in ((trainer, MEASURED_KEYS["trainer"]), (orch, MEASURED_KEYS["orchestrator"])) for key in keys}
+    measured = {key: recent_median(recs, key) for recs, keys in ((trainer, MEASURED_KEYS["trainer"]), (orch, MEASURED_KEYS["orchestrator"])) for key in keys}
     out = {
         "state": status.state,
         "reason": status.reason,
