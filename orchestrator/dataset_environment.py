@@ -77,8 +77,9 @@ class DatasetEnvironment(Environment):
     def from_recipe(cls, recipe, run) -> "DatasetEnvironment":
         cfg = recipe.orchestrator.dataset
         needs_template = cfg.messages_column is not None or cfg.apply_chat_template
-        template = ChatTemplate(model_dir(recipe, run), f"{KEY}.apply_chat_template") if needs_template else None
-        tokenizer = template.tokenizer if template is not None else load_tokenizer(model_dir(recipe, run))
+        directory = model_dir(recipe, run)
+        template = ChatTemplate(directory, f"{KEY}.apply_chat_template") if needs_template else None
+        tokenizer = template.tokenizer if template is not None else load_tokenizer(directory)
         context = (tokenizer, recipe.inference.max_model_len) if tokenizer is not None else None
         return cls(cfg, recipe.orchestrator.seed, template, context)
 
@@ -96,15 +97,16 @@ class DatasetEnvironment(Environment):
         """Whether the servers can take `prompt` (it leaves a token of their context); names a row that does not, once."""
         if self.context is None:
             return True
+        where = (prompt.info["split"], prompt.info["row"])
+        if where in self.too_long:  # a row's rendering never changes: no need to tokenize it again
+            return False
         tokenizer, limit = self.context
         tokens = len(tokenizer(prompt.text)["input_ids"])  # as vLLM tokenizes a completion's prompt
         if tokens < limit:
             return True
-        where = (prompt.info["split"], prompt.info["row"])
-        if where not in self.too_long:
-            self.too_long.add(where)
-            log.warning("%s row %d of the dataset skipped: its prompt is %d tokens, and the servers' context "
-                        "(inference.max_model_len) is %d", *where, tokens, limit)
+        self.too_long.add(where)
+        log.warning("%s row %d of the dataset skipped: its prompt is %d tokens, and the servers' context "
+                    "(inference.max_model_len) is %d", *where, tokens, limit)
         return False
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:

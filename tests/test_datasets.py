@@ -185,7 +185,13 @@ def test_rows_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     limit = len(tokenizer("ab" * 40)["input_ids"])  # rows 3 and 7 fill it exactly
     assert len(tokenizer("ab")["input_ids"]) < limit
-    env = DatasetEnvironment(dataset(path, eval_path=str(path)), 0, context=(tokenizer, limit))
+    long_calls = []
+
+    def counting(text):
+        long_calls.extend([text] if text == "ab" * 40 else [])
+        return tokenizer(text)
+
+    env = DatasetEnvironment(dataset(path, eval_path=str(path)), 0, context=(counting, limit))
     with caplog.at_level("WARNING"):
         drawn = [env.sample_prompts(random.Random(0), 1)[0] for _ in range(25)]  # 2.5 epochs of 10 rows
         evaluated = env.eval_prompts()
@@ -195,6 +201,7 @@ def test_rows_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(
     assert sorted(named) == sorted(f"{split} row {i} of the dataset skipped: its prompt is {limit} tokens, and the "
                                    f"servers' context (inference.max_model_len) is {limit}"
                                    for split in ("train", "eval") for i in (3, 7))
+    assert len(long_calls) == 4  # a skipped row is tokenized once per split, not again each epoch
     never = DatasetEnvironment(dataset(path), 0, context=(tokenizer, 1))
     with pytest.raises(RecipeError) as err:
         never.sample_prompts(random.Random(0), 1)
