@@ -16,7 +16,8 @@ Reported per side: wall time from start (before imports / before `rlctl launch`)
 mean reward is >= 0.9, the reward reached, and rollout throughput = completion tokens generated / wall
 time of the training loop (what the whole system delivers, generation and training together). For
 rlctl also the start-up timeline and its own per-step overhead: the median step interval minus what
-the critical path needs without rlctl, max(vLLM alone on the same batch, the trainer's step compute).
+the critical path needs without rlctl, max(vLLM alone on the same batch, the trainer's step compute);
+vLLM alone is measured just before and just after the rlctl run, and the two pooled (`around`).
 Goals (issue: weights and start-up): rollout tokens/s rlctl/TRL >= 0.9 (compute), >= 0.5 (generation);
 overhead <= 15 % of the step (generation).
 
@@ -226,7 +227,7 @@ def launch_rlctl(variant: Variant, out_root: Path, model_dir: Path | None) -> di
     return summary
 
 
-def vllm_alone(variant: Variant, model_dir: Path | None, out_dir: Path, repeats: int = 3) -> dict:
+def vllm_alone(variant: Variant, model_dir: Path | None, out_dir: Path, repeats: int = 5) -> dict:
     """Seconds vLLM alone (offline, the server's settings, all cores) needs for one batch of the variant."""
     import random
 
@@ -255,7 +256,16 @@ def vllm_alone(variant: Variant, model_dir: Path | None, out_dir: Path, repeats:
         cpu.append(time.process_time() - c)
     tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {"side": "vllm-alone", "batch_s": statistics.median(times[1:]), "batch_cpu_s": statistics.median(cpu[1:]),
-            "batch_tokens": tokens}
+            "batch_tokens": tokens, "batch_times_s": times[1:], "batch_cpu_times_s": cpu[1:]}
+
+
+def around(before: dict, after: dict) -> dict:
+    """vLLM alone measured before and after the rlctl run, pooled: this host's speed drifts by up to 30%
+    within minutes (0.56 and 0.73 s for the same batch a few minutes apart), more than the overhead goal's
+    margin, so one measurement on one side of the run can make the overhead look 20 points better or worse."""
+    times, cpu = before["batch_times_s"] + after["batch_times_s"], before["batch_cpu_times_s"] + after["batch_cpu_times_s"]
+    return {**after, "batch_s": statistics.median(times), "batch_cpu_s": statistics.median(cpu),
+            "batch_s_before": before["batch_s"], "batch_s_after": after["batch_s"]}
 
 
 def _child(side: str, variant_name: str, python: str, model_dir: Path | None, max_steps: int) -> dict:
@@ -311,8 +321,10 @@ def report(name: str, variant: Variant, rows: dict) -> None:
         compute = max(alone["batch_s"], rl["trainer_step_s"] or 0.0)
         share = (rl["step_interval_s"] - compute) / rl["step_interval_s"]
         goal = variant.overhead_goal
+        drift = (f", {alone['batch_s_before']:.2f} before the run and {alone['batch_s_after']:.2f} after it"
+                 if "batch_s_before" in alone else "")
         print(f"step interval {rl['step_interval_s']:.2f} s; vLLM alone {alone['batch_s']:.2f} s per batch "
-              f"({alone['batch_tokens']} tokens), trainer step {_fmt(rl['trainer_step_s'], '.2f')} s; rlctl's own "
+              f"({alone['batch_tokens']} tokens{drift}), trainer step {_fmt(rl['trainer_step_s'], '.2f')} s; rlctl's own "
               f"overhead {share:.0%} of the step" + (f" (goal <= {goal:.0%}: {'ok' if share <= goal else 'MISSED'})"
                                                      if goal else ""))
 
@@ -339,12 +351,15 @@ def main() -> None:
         variant, rows = VARIANTS[name], {}
         with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
             model_dir = build_model(variant, Path(tmp))
+            alone = sides & {"all", "vllm-alone"} and variant.overhead_goal is not None
+            if alone:
+                rows["vllm-alone"] = _child("vllm-alone", name, sys.executable, model_dir, 0)
             if sides & {"all", "rlctl"}:
                 rows["rlctl"] = launch_rlctl(variant, Path(tmp) / "runs", model_dir)
             if sides & {"all", "trl"}:
                 rows["trl"] = _child("trl", name, args.trl_python, model_dir, args.trl_max_steps)
-            if sides & {"all", "vllm-alone"} and variant.overhead_goal is not None:
-                rows["vllm-alone"] = _child("vllm-alone", name, sys.executable, model_dir, 0)
+            if alone and "rlctl" in rows:  # again after it: see `around`
+                rows["vllm-alone"] = around(rows["vllm-alone"], _child("vllm-alone", name, sys.executable, model_dir, 0))
         results[name] = rows
         if not args.json:
             report(name, variant, rows)
