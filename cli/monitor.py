@@ -19,8 +19,9 @@ def _exit_code(state: str) -> int:
 
 def _resolve(run: str, root: Optional[Path], profile: Optional[str]) -> tuple[Path, bool]:
     """(directory, is it a pool): a run by path or name, else a pool by name (`rlctl pool list`)."""
+    from rlctl.launchers.output_root import default_root
     from rlctl.launchers.pool import is_pool, resolve_pool
-    from rlctl.launchers.status import BrokenRun, RunNotFound, default_root, resolve_run
+    from rlctl.launchers.status import BrokenRun, RunNotFound, resolve_run
     from rlctl.recipes.errors import RecipeError
 
     base = root if root is not None else default_root(profile)
@@ -230,8 +231,9 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print a JSON list."),
     ) -> None:
         """List the runs under an output root with their state and progress."""
+        from rlctl.launchers.output_root import default_root
         from rlctl.launchers.run_summary import REWARD, by_step, series
-        from rlctl.launchers.status import default_root, list_runs, run_state
+        from rlctl.launchers.status import list_runs, run_state
         from rlctl.orchestrator.exchange.metrics import read_records
 
         base = root if root is not None else default_root(profile)

@@ -62,7 +62,7 @@ def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibr
         profile = profile.model_copy(update={"calibration": str(out)})
     pool = None
     if rec.deployment.inference_pool:  # attached: plan its rollouts on the pool's servers, if it runs
-        from rlctl.launchers.status import output_root
+        from rlctl.launchers.output_root import output_root
         from rlctl.launchers.pool_lookup import pool_for_plan
 
         pool = pool_for_plan(rec, output_root(rec, profile))

@@ -15,7 +15,7 @@ ROOT_HELP = "Output root the pools live under (<root>/pools/; default: $RLCTL_OU
 
 
 def _root(root: Optional[Path], profile: Optional[str]) -> Path:
-    from rlctl.launchers.status import default_root
+    from rlctl.launchers.output_root import default_root
 
     return (root if root is not None else default_root(profile)).expanduser().absolute()
 

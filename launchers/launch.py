@@ -17,7 +17,7 @@ from typing import Callable
 
 from rlctl.launchers.groups import JobGroup, build_groups, check_group_time_limits, check_preempt_signal
 from rlctl.launchers.run_dirs import check_run_name, claim_run_dir, first_attempt
-from rlctl.launchers.status import output_root, output_root_and_origin
+from rlctl.launchers.output_root import output_root, output_root_and_origin
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import atomic_write_bytes, atomic_write_json, private_dir
 from rlctl.recipes.errors import RecipeError

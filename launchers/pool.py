@@ -38,8 +38,9 @@ def pool_job(recipe, profile, placement) -> tuple[Placement, list[JobGroup]]:
 def launch_pool(refs, overrides=(), *, cluster: str | None = None, name: str | None = None):
     """Start pool `name` (default: the recipe's name), or a new attempt of a stopped pool of that name."""
     from rlctl.launchers.launch import check_submitter, load_for_launch, start_attempt
+    from rlctl.launchers.output_root import output_root_and_origin
     from rlctl.launchers.run_dirs import check_run_name, claim_run_dir, first_attempt, run_lock
-    from rlctl.launchers.status import output_root_and_origin, run_state
+    from rlctl.launchers.status import run_state
 
     if name is not None:  # "" too: refused as by `rlctl launch`, not replaced by the recipe's name
         check_run_name(name)
