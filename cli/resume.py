@@ -17,8 +17,6 @@ def resume_cmd(
 ) -> None:
     """Start the next attempt of a run that is no longer running, from its newest complete checkpoint:
     newer rollouts, weights and metrics lines are removed so step numbers stay contiguous."""
-    from pathlib import Path
-
     from rlctl.cli.launch import follow_run
     from rlctl.launchers.resume import resume
     from rlctl.launchers.status import resolve_run
