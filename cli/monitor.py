@@ -100,7 +100,8 @@ def with_plan(summary: dict, run_dir: Path) -> dict:
 
 
 def write_plot(run_dir: Path, out: Path) -> None:
-    """A PNG with reward (and eval scores), trainer/orchestrator step times and off-policy lag over steps."""
+    """A PNG with reward (and eval scores), trainer/orchestrator step times and off-policy lag over steps;
+    a dashed line where a resumed attempt began."""
     try:
         import matplotlib
     except ImportError:
@@ -108,7 +109,7 @@ def write_plot(run_dir: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlctl.launchers.run_summary import ORCH_STEP_S, REWARD, TRAINER_STEP_S, by_step, series
+    from rlctl.launchers.run_summary import ORCH_STEP_S, REWARD, TRAINER_STEP_S, by_step, resumed_at, series
     from rlctl.orchestrator.exchange.metrics import EvalRecord, OrchestratorStepRecord, keys_of, read_records
 
     LAG_MEAN, LAG_MAX = keys_of(OrchestratorStepRecord, "off_policy_lag_mean", "off_policy_lag_max")
@@ -125,11 +126,14 @@ def write_plot(run_dir: Path, out: Path) -> None:
         ("step time (s)", [(trainer, TRAINER_STEP_S, "trainer"), (orch, ORCH_STEP_S, "orchestrator")]),
         ("off-policy lag (steps)", [(orch, LAG_MEAN, "mean"), (orch, LAG_MAX, "max")]),
     )
+    resumes = resumed_at(trainer)
     for ax, (ylabel, lines) in zip(axes, panels):
         for records, key, label in lines:
             points = series(records, key)
             if points:
                 ax.plot([s for s, _ in points], [v for _, v in points], label=label, marker="." if len(points) < 50 else None)
+        for i, step in enumerate(resumes):  # a jump in a curve there is the restart, not the policy
+            ax.axvline(step, color="gray", linestyle="--", linewidth=0.8, label="resumed" if i == 0 else None)
         ax.set_ylabel(ylabel)
         if ylabel.startswith("off-policy"):
             ax.set_ylim(bottom=0)  # lag is a count of steps; a zero baseline keeps it honest

@@ -83,6 +83,11 @@ def _this_attempt(records: list[dict]) -> list[dict]:
     return recent[starts[-1]:] if starts else recent
 
 
+def resumed_at(trainer: list[dict]) -> list[int]:
+    """The steps a later attempt (a resume after a crash, preemption or cancel) began at."""
+    return [r["step"] for r in trainer[1:] if r.get(ATTEMPT_START)]
+
+
 def predicted_times(plan: dict) -> dict[str, float]:
     """Numeric `*step_time*` entries of the plan summary (top level or one section down)."""
     out: dict[str, float] = {}

@@ -24,6 +24,27 @@ def test_idle_and_eta_leave_out_each_attempt_start_and_the_gap_before_it(tmp_pat
     assert summary["eta_s"] == pytest.approx(2.0 * (20 - 9))  # this attempt's 2 s per step, not the gap
 
 
+def test_the_plot_marks_where_a_resumed_attempt_began(tmp_path, monkeypatch):
+    """The first attempt's start is no resume; each later one gets a dashed line on every panel."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from rlctl.cli.monitor import write_plot
+    from rlctl.launchers.run_summary import by_step, resumed_at
+    from rlctl.orchestrator.exchange.layout import RunDir
+    from rlctl.orchestrator.exchange.metrics import append_record, read_records
+
+    run = RunDir(tmp_path)
+    for step in range(9):
+        append_record(run, "trainer", {"step": step, "time": 100.0 + step, "trainer_step_time_s": 0.3,
+                                       "wait_batch_s": 0.1, "weight_publish_s": 0.1, "attempt_start": step in (0, 5, 7)})
+    assert resumed_at(by_step(read_records(run), "trainer")) == [5, 7]
+    drawn, real = [], Axes.axvline
+    monkeypatch.setattr(Axes, "axvline", lambda ax, x, **kw: drawn.append(x) or real(ax, x, **kw))
+    write_plot(tmp_path, tmp_path / "p.png")
+    assert drawn == [5, 7] * 3 and (tmp_path / "p.png").stat().st_size > 1000
+
+
 @pytest.mark.parametrize("state, shown", [("running", True), ("failed", True), ("completed", False)])
 def test_heartbeats_are_shown_unless_the_run_completed(state, shown):
     """A completed run's last beats ('waiting for trainer (final weights)', 'ok (3 h ago)') say nothing;
