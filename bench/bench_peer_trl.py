@@ -356,10 +356,10 @@ def main() -> None:
                 rows["vllm-alone"] = _child("vllm-alone", name, sys.executable, model_dir, 0)
             if sides & {"all", "rlctl"}:
                 rows["rlctl"] = launch_rlctl(variant, Path(tmp) / "runs", model_dir)
+                if alone:  # again right after it: see `around`
+                    rows["vllm-alone"] = around(rows["vllm-alone"], _child("vllm-alone", name, sys.executable, model_dir, 0))
             if sides & {"all", "trl"}:
                 rows["trl"] = _child("trl", name, args.trl_python, model_dir, args.trl_max_steps)
-            if alone and "rlctl" in rows:  # again after it: see `around`
-                rows["vllm-alone"] = around(rows["vllm-alone"], _child("vllm-alone", name, sys.executable, model_dir, 0))
         results[name] = rows
         if not args.json:
             report(name, variant, rows)
