@@ -14,17 +14,16 @@ is skipped with a warning naming it: vLLM refuses such a request, and one row wo
 """
 from __future__ import annotations
 
-import logging
 import random
 from typing import Any, Callable
 
 from rlctl.orchestrator.chat_template import ChatTemplate, model_dir
 from rlctl.orchestrator.datasets import KEY, Cursor, Row, load_rows, split_rows
 from rlctl.orchestrator.environments import Environment, Prompt, load_environment
+from rlctl.orchestrator.prompt_limit import PromptLimit, load_tokenizer
 from rlctl.recipes.errors import RecipeError
 
 RewardFn = Callable[[str, str], float]
-log = logging.getLogger(__name__)
 
 
 def exact_match(completion: str, answer: str) -> float:
@@ -70,8 +69,7 @@ class DatasetEnvironment(Environment):
         if cfg.eval_path is not None:
             self.eval = load_rows(cfg, "eval_path")
         self.cursor = Cursor(len(self.train), self.seed, cfg.shuffle)
-        self.context = context
-        self.too_long: set[tuple[str, int]] = set()  # (split, row) skipped: each is named once
+        self.limit = PromptLimit(*context) if context is not None else None
 
     @classmethod
     def from_recipe(cls, recipe, run) -> "DatasetEnvironment":
@@ -95,19 +93,10 @@ class DatasetEnvironment(Environment):
 
     def fits(self, prompt: Prompt) -> bool:
         """Whether the servers can take `prompt` (it leaves a token of their context); names a row that does not, once."""
-        if self.context is None:
+        if self.limit is None:
             return True
-        where = (prompt.info["split"], prompt.info["row"])
-        if where in self.too_long:  # a row's rendering never changes: no need to tokenize it again
-            return False
-        tokenizer, limit = self.context
-        tokens = len(tokenizer(prompt.text)["input_ids"])  # as vLLM tokenizes a completion's prompt
-        if tokens < limit:
-            return True
-        self.too_long.add(where)
-        log.warning("%s row %d of the dataset skipped: its prompt is %d tokens, and the servers' context "
-                    "(inference.max_model_len) is %d", *where, tokens, limit)
-        return False
+        split, row = prompt.info["split"], prompt.info["row"]
+        return self.limit.fits((split, row), prompt.text, f"{split} row {row} of the dataset")
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         """The next `n` rows that fit the servers' context, in the dataset's own seeded order (`rng` is not
@@ -119,8 +108,7 @@ class DatasetEnvironment(Environment):
             if self.fits(prompt):
                 prompts.append(prompt)
             elif (skipped := skipped + 1) >= len(self.train):  # a whole epoch of rows too long
-                raise RecipeError(f"no training row's prompt fits the servers' context ({self.context[1]} tokens): "
-                                  "raise it or shorten the prompts", key="inference.max_model_len")
+                raise self.limit.none_fit("training row's")
         return prompts
 
     def eval_prompts(self, limit: int | None = None) -> list[Prompt]:
@@ -154,19 +142,6 @@ def check_dataset_environment_args(args: dict[str, Any]) -> None:
     if args:
         raise RecipeError("the dataset environment takes no args: configure it in [orchestrator.dataset]",
                           key="orchestrator.environment.args")
-
-
-def load_tokenizer(model: str):
-    """The model's tokenizer from local files, or None (with a warning) when it has none: prompts are
-    then sent unchecked, as before a tokenizer was needed for plain prompts."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        log.warning("no tokenizer at %s (%s): dataset prompts are not checked against inference.max_model_len",
-                    model, str(exc)[:200])
-        return None
 
 
 def eval_environment(recipe, run, env: Environment) -> DatasetEnvironment | None:

@@ -12,7 +12,9 @@ or a function returning one (called with `config` as keyword arguments). `limit`
 
 Prompts: each task's `prompt` (text or messages) and `system_prompt`, rendered with the model's chat
 template (`chat_template = true`, the default), or the raw prompt text (`false`: plain-text prompts
-without a system prompt only). Tasks are drawn with the loop's seeded sampler, so resume is exact.
+without a system prompt only). Tasks are drawn with the loop's seeded sampler, so resume is exact; a task
+whose rendered prompt fills the servers' context (`inference.max_model_len` tokens or more) is skipped
+with a warning naming it, as a dataset's row is.
 
 Rewards: the completion becomes the assistant turn of a `vf.Trace` and the task's own scoring runs
 (`Task.score`: its `@vf.reward` functions, awaited, and plugged judges), the reward being the trace's
@@ -34,6 +36,7 @@ import random
 from typing import Any
 
 from rlctl.orchestrator.environments import Environment, Prompt
+from rlctl.orchestrator.prompt_limit import PromptLimit
 from rlctl.recipes.errors import RecipeError
 
 KEY = "orchestrator.environment.args"
@@ -120,6 +123,7 @@ class VerifiersEnvironment(Environment):
         self.task_type = type(self.tasks[0])
         self.chat_template = bool(chat_template)
         self.template = None  # the model's chat template, set by from_recipe (reward workers need none)
+        self.limit: PromptLimit | None = None  # the servers' context, set by from_recipe
         self._check_runnable(taskset)
 
     def _check_runnable(self, ref: str) -> None:
@@ -141,12 +145,18 @@ class VerifiersEnvironment(Environment):
 
     @classmethod
     def from_recipe(cls, recipe, run) -> "VerifiersEnvironment":
-        """Built by name, with the policy's chat template when `chat_template` is on."""
+        """Built by name, with the policy's chat template when `chat_template` is on, and the servers'
+        context its prompts are checked against."""
         from rlctl.orchestrator.chat_template import ChatTemplate, model_dir
+        from rlctl.orchestrator.prompt_limit import load_tokenizer
 
         env = cls(**recipe.orchestrator.environment.args)
+        directory = model_dir(recipe, run)
         if env.chat_template:
-            env.template = ChatTemplate(model_dir(recipe, run), f"{KEY}.chat_template")
+            env.template = ChatTemplate(directory, f"{KEY}.chat_template")
+        tokenizer = env.template.tokenizer if env.template is not None else load_tokenizer(directory)
+        if tokenizer is not None:
+            env.limit = PromptLimit(tokenizer, recipe.inference.max_model_len)
         return env
 
     # ---- prompts -----------------------------------------------------------------------------------
@@ -169,7 +179,17 @@ class VerifiersEnvironment(Environment):
         return Prompt(text, "", {"task": task.data.model_dump(mode="json")})
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        return [self.render(self.tasks[rng.randrange(len(self.tasks))]) for _ in range(n)]
+        """`n` tasks drawn by the loop's sampler; one whose prompt fills the servers' context is skipped and
+        another drawn (the same seed still draws the same tasks)."""
+        prompts: list[Prompt] = []
+        while len(prompts) < n:
+            index = rng.randrange(len(self.tasks))
+            prompt = self.render(self.tasks[index])
+            if self.limit is None or self.limit.fits(index, prompt.text, f"task {self.tasks[index].data.idx} of the task set"):
+                prompts.append(prompt)
+            elif len(self.limit.too_long) == len(self.tasks):
+                raise self.limit.none_fit("task's")
+        return prompts
 
     # ---- rewards -----------------------------------------------------------------------------------
     def trace(self, task, completion_text: str):

@@ -83,6 +83,33 @@ def test_bad_args_are_one_line_naming_the_key(args, key, words):
     assert msg.startswith(f"orchestrator.environment.{key}:") and words in msg and "\n" not in msg, msg
 
 
+def test_tasks_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(tmp_path, caplog):
+    """As a dataset's rows: vLLM refuses a prompt of max_model_len tokens or more, and one such task failed
+    the run. Built as the orchestrator builds it (the model's tokenizer, the recipe's max_model_len)."""
+    from types import SimpleNamespace
+
+    from rlctl.trainer.tiny_model import _build_tokenizer
+
+    _build_tokenizer().save_pretrained(str(tmp_path / "model"))
+    args = {"taskset": SEQUENCE, "config": {"size": 6, "long_tasks": [2, 4]}, "chat_template": False}
+
+    def build(max_model_len):
+        recipe = SimpleNamespace(model=SimpleNamespace(name=str(tmp_path / "model")),
+                                 inference=SimpleNamespace(max_model_len=max_model_len),
+                                 orchestrator=SimpleNamespace(environment=SimpleNamespace(args=args)))
+        return VerifiersEnvironment.from_recipe(recipe, None)
+
+    with caplog.at_level("WARNING"):
+        drawn = build(32).sample_prompts(random.Random(0), 60)
+    assert len(drawn) == 60 and {p.text for p in drawn} == {"012", "123", "345", "567"}
+    named = sorted(r.getMessage() for r in caplog.records if "skipped" in r.getMessage())
+    assert len(named) == 2 and named[0].startswith("task 2 of the task set skipped: its prompt is ")
+    assert named[1].startswith("task 4 of the task set") and named[0].endswith("(inference.max_model_len) is 32")
+    with pytest.raises(RecipeError) as err:
+        build(2).sample_prompts(random.Random(0), 1)
+    assert err.value.key == "inference.max_model_len" and "no task's prompt fits" in str(err.value)
+
+
 def test_without_the_package_the_refusal_names_the_environment_key(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # import verifiers.v1 now raises ImportError
     with pytest.raises(RecipeError) as err:

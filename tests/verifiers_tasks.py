@@ -46,13 +46,16 @@ class SequenceTasksetConfig(vf.TasksetConfig):
     task: SequenceTaskConfig = SequenceTaskConfig()
     size: int = 10
     system_prompt_text: str | None = None
+    long_tasks: list[int] = []
+    """Tasks whose prompt is the sequence's first 3 items repeated 20 times (too long for a small context)."""
 
 
 class SequenceTaskset(vf.Taskset[SequenceTask, SequenceTasksetConfig]):
     def load(self):
         for start in range(self.config.size):
             seq = "".join(DIGITS[(start + i) % 10] for i in range(5))
-            data = SequenceData(prompt=seq[:3], answer=seq[3:], system_prompt=self.config.system_prompt_text)
+            prompt = seq[:3] * (20 if start in self.config.long_tasks else 1)
+            data = SequenceData(prompt=prompt, answer=seq[3:], system_prompt=self.config.system_prompt_text)
             yield SequenceTask(data, self.config.task)
 
 

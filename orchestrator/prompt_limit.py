@@ -1,0 +1,49 @@
+"""Which prompts the inference servers can take: vLLM refuses a prompt of `inference.max_model_len`
+tokens or more, and the retries of that one group then fail the run. Environments with prompts of
+their own (a dataset, a verifiers task set) skip such a prompt, naming it once in the log."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+from rlctl.recipes.errors import RecipeError
+
+log = logging.getLogger(__name__)
+KEY = "inference.max_model_len"
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer from local files, or None (with a warning) when it has none: prompts are
+    then sent unchecked."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer at %s (%s): prompts are not checked against %s", model, str(exc)[:200], KEY)
+        return None
+
+
+class PromptLimit:
+    """`fits(where, text)`: whether a prompt leaves a token of the servers' context. `where` names the
+    prompt (a row, a task); a prompt's text never changes, so one found too long is not tokenized again."""
+
+    def __init__(self, tokenizer: Any, limit: int):
+        self.tokenizer, self.limit = tokenizer, limit
+        self.too_long: set[Hashable] = set()
+
+    def fits(self, where: Hashable, text: str, name: str) -> bool:
+        if where in self.too_long:
+            return False
+        tokens = len(self.tokenizer(text)["input_ids"])  # as vLLM tokenizes a completion's prompt
+        if tokens < self.limit:
+            return True
+        self.too_long.add(where)
+        log.warning("%s skipped: its prompt is %d tokens, and the servers' context (%s) is %d",
+                    name, tokens, KEY, self.limit)
+        return False
+
+    def none_fit(self, what: str) -> RecipeError:
+        return RecipeError(f"no {what} prompt fits the servers' context ({self.limit} tokens): raise it or "
+                           "shorten the prompts", key=KEY)
