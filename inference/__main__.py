@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import json
 import os
 import signal
@@ -37,6 +38,12 @@ LOG_TAIL_LINES = 40
 # process (launchers/local.py KILL_AFTER_S), so the server is gone before anyone kills us.
 SERVER_STOP_S = 8.0
 WARM_UP_MAX_N = 16  # completions in the warm-up request: a group's worth, as the first real batch sends
+# The server binds its port seconds after free_port found it free (vLLM's imports come first), and
+# another process on the host can take it in between (a resumed attempt's server died of it once in
+# a test run): the server is started again on another port, at most this many times in all.
+PORT_TRIES = 3
+PORT_TAKEN = -98  # what _serve returns for that; never a process's exit code here
+ADDRESS_IN_USE = os.strerror(errno.EADDRINUSE)  # as the server's OSError prints it
 
 
 def _placement(run: RunDir) -> Placement:
@@ -151,14 +158,18 @@ def main(argv: list[str] | None = None) -> int:
         if target == "gpu" and recipe.inference.ep and data_parallel(recipe, placement) > 1:
             dp = data_parallel(recipe, placement)
             dp_master = _dp_master(run, host, index, dp, recipe.inference.startup_timeout_s)
-        port = free_port(host)
         initial_adapter = None
         if recipe.trainer.lora.enabled:  # served until the trainer's first adapter is swapped in
             from rlctl.inference.lora_serving import write_zero_adapter
 
             initial_adapter = write_zero_adapter(model_dir, recipe.trainer.lora, run.root / "cache" / f"lora_zero_{index}")
-        cmd = render_server_command(recipe, placement, target, model_dir=model_dir, host=host, port=port,
-                                    server_index=index, dp_master=dp_master, initial_adapter=initial_adapter)
+
+        def command(port: int) -> list[str]:
+            return render_server_command(recipe, placement, target, model_dir=model_dir, host=host, port=port,
+                                         server_index=index, dp_master=dp_master, initial_adapter=initial_adapter)
+
+        port = free_port(host)
+        cmd = command(port)
     except (RecipeError, FileNotFoundError, RuntimeError, ValueError) as e:
         return _fail(str(e))
     env = {**os.environ, **server_env(recipe, target, run.root, admin_token, api_key,
@@ -182,6 +193,24 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    try:
+        for tries in range(PORT_TRIES):
+            if tries:
+                taken, port = port, free_port(host)
+                cmd = command(port)
+                print(f"rlctl.inference[{index}]: port {taken} was taken before the server could bind it; "
+                      f"starting it again on port {port}", flush=True)
+            code = _serve(run, cmd, env, host, port, index, recipe, stop, api_key)
+            if code != PORT_TAKEN:
+                return code
+        return _fail(f"server {index}: {PORT_TRIES} ports in a row were taken before the server could bind them")
+    finally:
+        if private_tmp:
+            private_tmp.remove()
+
+
+def _serve(run, cmd, env, host, port, index, recipe, stop, api_key) -> int:
+    """Start the server and supervise it until it ends: its exit code, or PORT_TAKEN."""
     started = time.monotonic()
     # Own process group so we can stop it (and vLLM's engine, workers, resource tracker) without signalling
     # ourselves; inside our session, so the launcher reaches it even if we die first.
@@ -190,15 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     tail: collections.deque = collections.deque(maxlen=LOG_TAIL_LINES)
     pump = threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True)
     pump.start()
-    url = f"http://{host}:{port}"
     try:
-        return _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key)
+        return _supervise(run, proc, f"http://{host}:{port}", index, host, recipe, stop, started, tail, api_key)
     finally:
         stop_process_group(proc, SERVER_STOP_S)
         pump.join(timeout=5)
         (run.services / "inference" / f"{index}.json").unlink(missing_ok=True)
-        if private_tmp:
-            private_tmp.remove()
 
 
 def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key) -> int:
@@ -214,6 +240,8 @@ def _supervise(run, proc, url, index, host, recipe, stop, started, tail, api_key
             time.sleep(0.5)  # let the pump catch the last lines
             if stop.is_set():  # the launcher's stop reached the server's group too, first: a stop, not a failure
                 return 143
+            if any(ADDRESS_IN_USE in line for line in tail):
+                return PORT_TAKEN
             return _fail(f"server {index} exited with code {code} before becoming ready", tail)
         if time.monotonic() > deadline:
             return _fail(f"server {index} not healthy after {recipe.inference.startup_timeout_s:.0f} s at {url}", tail)

@@ -132,6 +132,61 @@ def test_listening_ports_come_from_below_the_ephemeral_range(monkeypatch):
     assert server.free_port("127.0.0.1") > 0
 
 
+FAKE_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    do_POST = do_GET  # the warm-up request
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer((sys.argv[1], int(sys.argv[2])), Health).serve_forever()
+"""
+
+
+def test_a_port_taken_before_the_server_binds_it_starts_the_server_again_on_another(tmp_path, monkeypatch, capsys):
+    """The server binds its port seconds after free_port found it free; a resumed attempt's server once
+    died of EADDRINUSE that way and failed the run. A stand-in server (no vLLM) keeps the entry fast."""
+    import signal
+    import socket
+    import sys
+    import threading
+    import time
+
+    from rlctl.inference import __main__ as entry
+
+    run = make_run(tmp_path)
+    monkeypatch.setenv("RLCTL_BIND_HOST", "127.0.0.1")
+    (tmp_path / "fake.py").write_text(FAKE_SERVER)
+    monkeypatch.setattr(entry, "render_server_command", lambda *a, host, port, **kw: [
+        sys.executable, str(tmp_path / "fake.py"), host, str(port)])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held, real_free_port = taken.getsockname()[1], entry.free_port
+        first = iter([held])
+        monkeypatch.setattr(entry, "free_port", lambda host: next(first, None) or real_free_port(host))
+        announced = run.services / "inference" / "0.json"
+
+        def finish_once_announced():
+            deadline = time.monotonic() + 60
+            while not announced.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            run.done.touch()
+
+        threading.Thread(target=finish_once_announced, daemon=True).start()
+        try:
+            code = main(["--run-dir", str(run.root)])
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"port {held} was taken before the server could bind it; starting it again" in out
+    assert "ready at http://127.0.0.1:" in out
+
+
 def _joined(stream) -> list[str]:
     from rlctl.inference.vllm_main import joined_when_ready
 
