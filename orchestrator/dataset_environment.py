@@ -20,7 +20,7 @@ from typing import Any, Callable
 from rlctl.orchestrator.chat_template import ChatTemplate, model_dir
 from rlctl.orchestrator.datasets import KEY, Cursor, Row, load_rows, split_rows
 from rlctl.orchestrator.environments import Environment, Prompt, load_environment
-from rlctl.orchestrator.prompt_limit import PromptLimit, load_tokenizer
+from rlctl.orchestrator.prompt_limit import PromptLimit, prompt_limit
 from rlctl.recipes.errors import RecipeError
 
 RewardFn = Callable[[str, str], float]
@@ -53,8 +53,8 @@ class DatasetEnvironment(Environment):
 
     reward_inline = True  # a string comparison: cheaper inline than a round trip to a reward worker
 
-    def __init__(self, cfg, seed: int, template: ChatTemplate | None = None, context: tuple[Any, int] | None = None):
-        """`context`: (the model's tokenizer, the servers' max_model_len); rows whose prompt fills it are skipped."""
+    def __init__(self, cfg, seed: int, template: ChatTemplate | None = None, limit: PromptLimit | None = None):
+        """`limit`: the servers' context; rows whose prompt fills it are skipped."""
         needs_template = cfg.messages_column is not None or cfg.apply_chat_template
         if needs_template and template is None:
             raise RecipeError("rendering prompts needs the model's chat template (none was loaded)",
@@ -69,7 +69,7 @@ class DatasetEnvironment(Environment):
         if cfg.eval_path is not None:
             self.eval = load_rows(cfg, "eval_path")
         self.cursor = Cursor(len(self.train), self.seed, cfg.shuffle)
-        self.limit = PromptLimit(*context) if context is not None else None
+        self.limit = limit
 
     @classmethod
     def from_recipe(cls, recipe, run) -> "DatasetEnvironment":
@@ -77,9 +77,8 @@ class DatasetEnvironment(Environment):
         needs_template = cfg.messages_column is not None or cfg.apply_chat_template
         directory = model_dir(recipe, run)
         template = ChatTemplate(directory, f"{KEY}.apply_chat_template") if needs_template else None
-        tokenizer = template.tokenizer if template is not None else load_tokenizer(directory)
-        context = (tokenizer, recipe.inference.max_model_len) if tokenizer is not None else None
-        return cls(cfg, recipe.orchestrator.seed, template, context)
+        return cls(cfg, recipe.orchestrator.seed, template,
+                   prompt_limit(template, directory, recipe.inference.max_model_len))
 
     def render(self, row: Row, split: str) -> Prompt:
         if self.template is None:

@@ -25,9 +25,17 @@ def load_tokenizer(model: str):
         return None
 
 
+def prompt_limit(template, directory: str, max_model_len: int) -> "PromptLimit | None":
+    """The check for prompts rendered by `template` (a ChatTemplate: its tokenizer) or sent as raw text
+    (the model's own tokenizer in `directory`); None when there is no tokenizer to count with."""
+    tokenizer = template.tokenizer if template is not None else load_tokenizer(directory)
+    return PromptLimit(tokenizer, max_model_len) if tokenizer is not None else None
+
+
 class PromptLimit:
-    """`fits(where, text)`: whether a prompt leaves a token of the servers' context. `where` names the
-    prompt (a row, a task); a prompt's text never changes, so one found too long is not tokenized again."""
+    """`fits(where, text, name)`: whether a prompt leaves a token of the servers' context. `where` keys the
+    prompt (a row, a task) and `name` says it in the log; a prompt's text never changes, so one found too
+    long is not tokenized again (`where in too_long` tells a caller before it renders)."""
 
     def __init__(self, tokenizer: Any, limit: int):
         self.tokenizer, self.limit = tokenizer, limit

@@ -148,15 +148,13 @@ class VerifiersEnvironment(Environment):
         """Built by name, with the policy's chat template when `chat_template` is on, and the servers'
         context its prompts are checked against."""
         from rlctl.orchestrator.chat_template import ChatTemplate, model_dir
-        from rlctl.orchestrator.prompt_limit import load_tokenizer
+        from rlctl.orchestrator.prompt_limit import prompt_limit
 
         env = cls(**recipe.orchestrator.environment.args)
         directory = model_dir(recipe, run)
         if env.chat_template:
             env.template = ChatTemplate(directory, f"{KEY}.chat_template")
-        tokenizer = env.template.tokenizer if env.template is not None else load_tokenizer(directory)
-        if tokenizer is not None:
-            env.limit = PromptLimit(tokenizer, recipe.inference.max_model_len)
+        env.limit = prompt_limit(env.template, directory, recipe.inference.max_model_len)
         return env
 
     # ---- prompts -----------------------------------------------------------------------------------
@@ -184,6 +182,8 @@ class VerifiersEnvironment(Environment):
         prompts: list[Prompt] = []
         while len(prompts) < n:
             index = rng.randrange(len(self.tasks))
+            if self.limit is not None and index in self.limit.too_long:  # known too long: not rendered again
+                continue
             prompt = self.render(self.tasks[index])
             if self.limit is None or self.limit.fits(index, prompt.text, f"task {self.tasks[index].data.idx} of the task set"):
                 prompts.append(prompt)

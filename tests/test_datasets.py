@@ -20,6 +20,7 @@ from rlctl.orchestrator.exchange.batches_fs import FilesystemBatchWriter
 from rlctl.orchestrator.exchange.checkpoints import load_orchestrator_state, save_orchestrator_state
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.loop import LoopSettings, PolicyVersion, RolloutLoop
+from rlctl.orchestrator.prompt_limit import PromptLimit
 from rlctl.recipes.errors import RecipeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,7 +192,7 @@ def test_rows_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(
         long_calls.extend([text] if text == "ab" * 40 else [])
         return tokenizer(text)
 
-    env = DatasetEnvironment(dataset(path, eval_path=str(path)), 0, context=(counting, limit))
+    env = DatasetEnvironment(dataset(path, eval_path=str(path)), 0, limit=PromptLimit(counting, limit))
     with caplog.at_level("WARNING"):
         drawn = [env.sample_prompts(random.Random(0), 1)[0] for _ in range(25)]  # 2.5 epochs of 10 rows
         evaluated = env.eval_prompts()
@@ -202,7 +203,7 @@ def test_rows_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(
                                    f"servers' context (inference.max_model_len) is {limit}"
                                    for split in ("train", "eval") for i in (3, 7))
     assert len(long_calls) == 4  # a skipped row is tokenized once per split, not again each epoch
-    never = DatasetEnvironment(dataset(path), 0, context=(tokenizer, 1))
+    never = DatasetEnvironment(dataset(path), 0, limit=PromptLimit(tokenizer, 1))
     with pytest.raises(RecipeError) as err:
         never.sample_prompts(random.Random(0), 1)
     assert err.value.key == "inference.max_model_len"

@@ -99,9 +99,13 @@ def test_tasks_whose_prompt_fills_the_servers_context_are_skipped_and_named_once
                                  orchestrator=SimpleNamespace(environment=SimpleNamespace(args=args)))
         return VerifiersEnvironment.from_recipe(recipe, None)
 
+    env, rendered = build(32), []
+    render = env.render
+    env.render = lambda task: (rendered.append(task.data.idx), render(task))[1]
     with caplog.at_level("WARNING"):
-        drawn = build(32).sample_prompts(random.Random(0), 60)
+        drawn = env.sample_prompts(random.Random(0), 60)
     assert len(drawn) == 60 and {p.text for p in drawn} == {"012", "123", "345", "567"}
+    assert rendered.count(2) == rendered.count(4) == 1  # a task known too long is not rendered again
     named = sorted(r.getMessage() for r in caplog.records if "skipped" in r.getMessage())
     assert len(named) == 2 and named[0].startswith("task 2 of the task set skipped: its prompt is ")
     assert named[1].startswith("task 4 of the task set") and named[0].endswith("(inference.max_model_len) is 32")
