@@ -4,10 +4,12 @@ Both sides train the same model (`build_tiny_model`, same seed) on the same envi
 reward, batch shape and optimiser, on the same CPU: AdamW at the recipe's lr, grad-norm clip 1, no KL
 term, advantages = reward - group mean, loss normalised by the token count. TRL generates with
 transformers' `generate` between optimiser steps (its default, no vLLM); rlctl runs a vLLM CPU server +
-router + orchestrator + 2-rank FSDP2 trainer overlapping by one policy step. Variants:
+router + orchestrator + FSDP2 trainer overlapping by one policy step. Variants:
 
-- `toy`: recipes/tiny-cpu.toml as it is (0.1M parameters, `sequence`, 32 x 16 rollouts of 2 tokens);
-- `generation`: generation-heavy: `count_a` over 32 tokens, 16 x 16 rollouts per step;
+- `toy`: recipes/tiny-cpu.toml as it is (0.1M parameters, `sequence`, 32 x 16 rollouts of 2 tokens,
+  a 2-rank trainer);
+- `generation`: generation-heavy: `count_a` over 32 tokens, 16 x 16 rollouts per step, a 1-rank
+  trainer (see ONE_RANK);
 - `compute`: compute-bound: a 25M-parameter Qwen3 (8 layers, hidden 512), `count_a` over 64 tokens,
   4 x 16 rollouts per step, a fixed number of steps (throughput only, no reward target), at lr 5e-4
   (at the toy's 2e-3 rlctl's runs, one policy step behind, collapse: see COMPUTE_LR).
@@ -23,7 +25,9 @@ overhead <= 15 % of the step (generation).
 
     python bench/bench_peer_trl.py [--variant toy|generation|compute|all] [--trl-python PY] [--side SIDE ...]
 
-`--side rlctl vllm-alone --variant generation` prints the overhead alone, without TRL.
+`--side rlctl vllm-alone --variant generation` prints the overhead alone, without TRL. `-o KEY=VALUE`
+(repeatable) adds a recipe override to the variant's, for every side (e.g. `-o trainer.fsdp=2 -o
+trainer.micro_batch_size=128` gives the generation variant its former 2-rank trainer).
 
 `--trl-python` runs the TRL side with another interpreter (a venv with trl + accelerate + this package).
 """
@@ -37,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cpu_by_component import CpuSampler, floor_s
@@ -73,15 +77,25 @@ def _count_a(length: int, prompts: int, micro_batch: int, steps: int) -> tuple[s
 # one-step-old batch does not hold steps that large. At 5e-4 the run one step behind reached 0.95 by
 # step 4.
 COMPUTE_LR = "trainer.optimizer.lr=5e-4"
+# A 0.1M-parameter model is trained by one rank, as TRL trains it in one process: the second rank's
+# collectives and its copy of every op's fixed cost took 0.07-0.08 CPU s per step from the cores the
+# server shares (trainer 0.28 -> 0.20-0.21 CPU s per step, step interval 0.54-0.60 -> 0.51-0.57 s, two
+# interleaved pairs of runs). The toy keeps the recipe's 2 ranks: it is the recipe as users run it.
+ONE_RANK = ("trainer.fsdp=1",)
 
 VARIANTS = {
     "toy": Variant(),
-    "generation": Variant(_count_a(32, 16, 128, 60), tokens_per_s_goal=0.5, overhead_goal=0.15),
+    "generation": Variant((*_count_a(32, 16, 256, 60), *ONE_RANK), tokens_per_s_goal=0.5, overhead_goal=0.15),
     "compute": Variant((*_count_a(64, 4, 32, 12), COMPUTE_LR), target=None, tokens_per_s_goal=0.9,
                        model=(("hidden_size", 512), ("intermediate_size", 1536), ("num_hidden_layers", 8),
                               ("max_window_layers", 8), ("num_attention_heads", 8), ("num_key_value_heads", 4),
                               ("head_dim", 64))),
 }
+
+
+def _with(name: str, overrides: list[str]) -> Variant:
+    """Variant `name` with the command line's overrides after its own."""
+    return replace(VARIANTS[name], overrides=(*VARIANTS[name].overrides, *overrides))
 
 
 def _recipe(variant: Variant) -> dict:
@@ -268,9 +282,11 @@ def around(before: dict, after: dict) -> dict:
             "batch_s_before": before["batch_s"], "batch_s_after": after["batch_s"]}
 
 
-def _child(side: str, variant_name: str, python: str, model_dir: Path | None, max_steps: int) -> dict:
+def _child(side: str, variant_name: str, python: str, model_dir: Path | None, max_steps: int,
+           overrides: list[str]) -> dict:
     """A side in a fresh interpreter: its start-up and imports are part of its wall time, as rlctl's are."""
     cmd = [python, __file__, "--side", side, "--variant", variant_name, "--trl-max-steps", str(max_steps)]
+    cmd += [arg for o in overrides for arg in ("-o", o)]
     if model_dir:
         cmd += ["--model-dir", str(model_dir)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False,
@@ -336,11 +352,13 @@ def main() -> None:
     ap.add_argument("--trl-max-steps", type=int, default=400)
     ap.add_argument("--side", choices=["all", "trl", "rlctl", "vllm-alone"], nargs="+", default=["all"],
                     help="sides to run (rlctl vllm-alone: the overhead without TRL installed)")
+    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override added to the variant's, for every side (repeatable)")
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)  # a child side gets the shared model
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.environ.get("RLCTL_BENCH_CHILD"):
-        variant = VARIANTS[args.variant]
+        variant = _with(args.variant, args.override)
         with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
             row = (run_trl(variant, args.trl_max_steps, Path(tmp), args.model_dir) if args.side == ["trl"]
                    else vllm_alone(variant, args.model_dir, Path(tmp)))
@@ -348,18 +366,18 @@ def main() -> None:
         return
     results, sides = {}, set(args.side)
     for name in VARIANTS if args.variant == "all" else [args.variant]:
-        variant, rows = VARIANTS[name], {}
+        variant, rows = _with(name, args.override), {}
         with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
             model_dir = build_model(variant, Path(tmp))
             alone = sides & {"all", "vllm-alone"} and variant.overhead_goal is not None
             if alone:
-                rows["vllm-alone"] = _child("vllm-alone", name, sys.executable, model_dir, 0)
+                rows["vllm-alone"] = _child("vllm-alone", name, sys.executable, model_dir, 0, args.override)
             if sides & {"all", "rlctl"}:
                 rows["rlctl"] = launch_rlctl(variant, Path(tmp) / "runs", model_dir)
                 if alone:  # again right after it: see `around`
-                    rows["vllm-alone"] = around(rows["vllm-alone"], _child("vllm-alone", name, sys.executable, model_dir, 0))
+                    rows["vllm-alone"] = around(rows["vllm-alone"], _child("vllm-alone", name, sys.executable, model_dir, 0, args.override))
             if sides & {"all", "trl"}:
-                rows["trl"] = _child("trl", name, args.trl_python, model_dir, args.trl_max_steps)
+                rows["trl"] = _child("trl", name, args.trl_python, model_dir, args.trl_max_steps, args.override)
         results[name] = rows
         if not args.json:
             report(name, variant, rows)
