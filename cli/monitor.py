@@ -133,7 +133,8 @@ def write_plot(run_dir: Path, out: Path) -> None:
             if points:
                 ax.plot([s for s, _ in points], [v for _, v in points], label=label, marker="." if len(points) < 50 else None)
         for i, step in enumerate(resumes):  # a jump in a curve there is the restart, not the policy
-            ax.axvline(step, color="gray", linestyle="--", linewidth=0.8, label="resumed" if i == 0 else None)
+            named = i == 0 and ax is axes[0]  # one legend entry says what the lines are, for all panels
+            ax.axvline(step, color="gray", linestyle="--", linewidth=0.8, label="resumed" if named else None)
         ax.set_ylabel(ylabel)
         if ylabel.startswith("off-policy"):
             ax.set_ylim(bottom=0)  # lag is a count of steps; a zero baseline keeps it honest

@@ -39,10 +39,12 @@ def test_the_plot_marks_where_a_resumed_attempt_began(tmp_path, monkeypatch):
         append_record(run, "trainer", {"step": step, "time": 100.0 + step, "trainer_step_time_s": 0.3,
                                        "wait_batch_s": 0.1, "weight_publish_s": 0.1, "attempt_start": step in (0, 5, 7)})
     assert resumed_at(by_step(read_records(run), "trainer")) == [5, 7]
-    drawn, real = [], Axes.axvline
-    monkeypatch.setattr(Axes, "axvline", lambda ax, x, **kw: drawn.append(x) or real(ax, x, **kw))
+    drawn, labels, real = [], [], Axes.axvline
+    monkeypatch.setattr(Axes, "axvline", lambda ax, x, **kw: drawn.append(x) or labels.append(kw.get("label"))
+                        or real(ax, x, **kw))
     write_plot(tmp_path, tmp_path / "p.png")
     assert drawn == [5, 7] * 3 and (tmp_path / "p.png").stat().st_size > 1000
+    assert labels == ["resumed"] + [None] * 5  # one legend entry, on the top panel
 
 
 @pytest.mark.parametrize("state, shown", [("running", True), ("failed", True), ("completed", False)])
