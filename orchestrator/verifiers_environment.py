@@ -181,14 +181,14 @@ class VerifiersEnvironment(Environment):
         another drawn (the same seed still draws the same tasks)."""
         prompts: list[Prompt] = []
         while len(prompts) < n:
+            if self.limit is not None and len(self.limit.too_long) == len(self.tasks):
+                raise self.limit.none_fit("task's")
             index = rng.randrange(len(self.tasks))
             if self.limit is not None and index in self.limit.too_long:  # known too long: not rendered again
                 continue
             prompt = self.render(self.tasks[index])
             if self.limit is None or self.limit.fits(index, prompt.text, f"task {self.tasks[index].data.idx} of the task set"):
                 prompts.append(prompt)
-            elif len(self.limit.too_long) == len(self.tasks):
-                raise self.limit.none_fit("task's")
         return prompts
 
     # ---- rewards -----------------------------------------------------------------------------------
