@@ -306,8 +306,13 @@ def test_an_interrupt_never_leaves_a_started_run_unrecorded_nor_a_claimed_name_b
         return 4242424
 
     monkeypatch.setattr(local, "start_supervisor", spawn_then_ctrl_c)
-    with pytest.raises(KeyboardInterrupt):  # still interrupted, once the run is recorded
-        launch_module.launch(*args, cluster="local", name="late")
+    # Python ignores SIGINT when it starts ignored, as a shell's background job (`pytest ... &`) does
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):  # still interrupted, once the run is recorded
+            launch_module.launch(*args, cluster="local", name="late")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert json.loads((tmp_path / "late" / "run.json").read_text())["supervisor_pid"] == 4242424
 
 
