@@ -16,8 +16,11 @@ exporter too (on its own port: the default 29000 collides between runs), and the
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import json
+import logging
+import os
 import subprocess
 import sys
 import time
@@ -30,6 +33,8 @@ from rlctl.inference.server import free_port
 from rlctl.inference.processes import (has_exited, own_group_dying_with_parent, python_module_argv,
                                        stop_process_group)
 
+log = logging.getLogger("rlctl.router")
+
 # vllm-router's HTTP client keeps an idle connection to a server this long (its server.rs); the servers
 # keep theirs longer (server.SERVER_KEEPALIVE_S).
 POOL_IDLE_S = 50
@@ -37,6 +42,12 @@ NEVER = 2**32 - 1  # a count vllm-router never reaches (its largest u32)
 
 ROUTER_HOST = "127.0.0.1"  # only the orchestrator, on this node, talks to the router
 KEY_CHECK_ROUTE = "/v1/models"  # cheap, and open to the api key on every server (auth.py)
+# Both ports are bound a fraction of a second after free_port found them free (the router's imports come
+# first), and another process on the node can take one in between: the router is then started again on
+# other ports, at most this many times in all.
+PORT_TRIES = 3
+PORT_TAKEN_EXIT = 75  # the router child's exit code for that (EX_TEMPFAIL)
+ADDRESS_IN_USE = os.strerror(errno.EADDRINUSE)  # as both of its bind errors print it
 
 
 class RouterWorkersChanged(RuntimeError):
@@ -109,6 +120,26 @@ def start_router(worker_urls: list[str], policy: str, *, api_key: str, log_path:
     every route needs it) and check that it routes to exactly `worker_urls`."""
     if importlib.util.find_spec("vllm_router_rs") is None:
         raise FileNotFoundError("vllm-router is not installed (it comes with the `cpu`/`gpu` extra: vllm-router)")
+    where = f" (log: {log_path})" if log_path else ""
+    for tries in range(1, PORT_TRIES + 1):
+        router = _spawn(worker_urls, policy, log_path)
+        code = _wait_ready(router, api_key, timeout_s, where)
+        if code is None:
+            break
+        if code != PORT_TAKEN_EXIT:
+            raise RuntimeError(f"vllm-router exited with code {code} before becoming ready{where}")
+        log.warning("vllm-router: a port was taken before it could bind it (try %d of %d)", tries, PORT_TRIES)
+    else:
+        raise RuntimeError(f"vllm-router: {PORT_TRIES} pairs of ports in a row were taken before it could bind them{where}")
+    try:
+        check_workers(router.url, api_key, worker_urls)
+    except (RouterWorkersChanged, ConnectionError):
+        router.stop()
+        raise
+    return router
+
+
+def _spawn(worker_urls: list[str], policy: str, log_path: Path | None) -> RouterProcess:
     port, prometheus_port = free_port(ROUTER_HOST), free_port(ROUTER_HOST)
     cmd = render_router_command(worker_urls, policy, port, prometheus_port)
     out = open(log_path, "ab") if log_path is not None else None
@@ -119,22 +150,20 @@ def start_router(worker_urls: list[str], policy: str, *, api_key: str, log_path:
     finally:
         if out is not None:
             out.close()
-    router = RouterProcess(proc, f"http://{ROUTER_HOST}:{port}", cmd)
-    where = f" (log: {log_path})" if log_path else ""
+    return RouterProcess(proc, f"http://{ROUTER_HOST}:{port}", cmd)
+
+
+def _wait_ready(router: RouterProcess, api_key: str, timeout_s: float, where: str) -> int | None:
+    """None once the router answers its health route; its exit code if it ends first."""
     deadline = time.monotonic() + timeout_s
     while _get(f"{router.url}/health", api_key)[0] != 200:
         if not router.alive():
-            raise RuntimeError(f"vllm-router exited with code {router.stop()} before becoming ready{where}")
+            return router.stop()
         if time.monotonic() > deadline:
             router.stop()
             raise RuntimeError(f"vllm-router not ready after {timeout_s:.0f} s{where}")
         time.sleep(0.05)  # it is ready within a second; every poll we skip delays the first batch
-    try:
-        check_workers(router.url, api_key, worker_urls)
-    except (RouterWorkersChanged, ConnectionError):
-        router.stop()
-        raise
-    return router
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,19 +180,28 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_router.router import policy_from_str
     from vllm_router_rs import Router
 
-    Router(worker_urls=args.worker_urls, policy=policy_from_str(args.policy), host=ROUTER_HOST, port=args.port,
-           api_key_validation_urls=args.key_check_url,
-           # Workers are already healthy when the router starts; don't sleep 30 s between checks.
-           worker_startup_check_interval=1,
-           # The breaker answers 503 for 60 s once ten requests to a server failed in two minutes: a
-           # burst of transient errors (each already retried here) would stall the whole run. A server
-           # that is really gone fails its component, which the launcher's supervision acts on.
-           disable_circuit_breaker=True,
-           # Its health check (every 60 s) marks a server that missed three 5 s deadlines in a row
-           # unhealthy, and the run then gets 503 for every request: a CI run was lost so, its server's
-           # event loop busy with streams on two CPUs. A dead server fails its component instead.
-           health_failure_threshold=NEVER, health_check_interval_secs=args.health_check_interval_s,
-           prometheus_host=ROUTER_HOST, prometheus_port=args.prometheus_port).start()
+    router = Router(worker_urls=args.worker_urls, policy=policy_from_str(args.policy), host=ROUTER_HOST, port=args.port,
+                    api_key_validation_urls=args.key_check_url,
+                    # Workers are already healthy when the router starts; don't sleep 30 s between checks.
+                    worker_startup_check_interval=1,
+                    # The breaker answers 503 for 60 s once ten requests to a server failed in two minutes: a
+                    # burst of transient errors (each already retried here) would stall the whole run. A server
+                    # that is really gone fails its component, which the launcher's supervision acts on.
+                    disable_circuit_breaker=True,
+                    # Its health check (every 60 s) marks a server that missed three 5 s deadlines in a row
+                    # unhealthy, and the run then gets 503 for every request: a CI run was lost so, its server's
+                    # event loop busy with streams on two CPUs. A dead server fails its component instead.
+                    health_failure_threshold=NEVER, health_check_interval_secs=args.health_check_interval_s,
+                    prometheus_host=ROUTER_HOST, prometheus_port=args.prometheus_port)
+    try:
+        router.start()
+    # A taken port comes back as RuntimeError (the router's own) or as pyo3's PanicException (its
+    # Prometheus exporter), which derives from BaseException.
+    except BaseException as e:
+        if ADDRESS_IN_USE not in str(e):
+            raise
+        print(f"rlctl.inference.router: {e}", file=sys.stderr, flush=True)
+        return PORT_TAKEN_EXIT
     return 0
 
 

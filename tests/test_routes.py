@@ -193,6 +193,52 @@ def test_failed_health_checks_do_not_take_the_runs_server_away(tmp_path):
         server.close()
 
 
+def test_the_router_starts_again_on_other_ports_when_one_is_taken_before_it_binds(tmp_path, monkeypatch, caplog):
+    """Between free_port and the router's bind another process can take a port: its main port (the
+    router's own RuntimeError) or its exporter's (a pyo3 panic). Either way it is started on new ports;
+    three pairs taken in a row fail in one line."""
+    import socket
+
+    from rlctl.inference import router as router_mod
+
+    holders: list[socket.socket] = []
+
+    def taken_port(host: str) -> int:
+        s = socket.socket()
+        s.bind((host, 0))  # bound, not listening: the router's bind fails, and a poll is refused at once
+        holders.append(s)
+        return s.getsockname()[1]
+
+    def ports(*taken: bool):  # free_port's answers in turn: (main, exporter) per try
+        answers = iter(taken)
+        monkeypatch.setattr(router_mod, "free_port",
+                            lambda host: (taken_port if next(answers) else real_free_port)(host))
+
+    real_free_port = router_mod.free_port
+    server = RecordingServer()
+    try:
+        ports(True, False, False, True, False, False)
+        with caplog.at_level("WARNING", logger="rlctl.router"):
+            router = router_mod.start_router([server.url], "round_robin", api_key=API, log_path=tmp_path / "r.log")
+        try:
+            body = json.dumps({"model": "policy", "prompt": "a", "max_tokens": 1}).encode()
+            assert post(f"{router.url}/v1/completions", API, body) == 200
+        finally:
+            router.stop()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"vllm-router: a port was taken before it could bind it (try {n} of 3)" for n in (1, 2)]
+        ports(*[True, False] * 3)
+        with pytest.raises(RuntimeError, match="3 pairs of ports in a row were taken") as caught:
+            router_mod.start_router([server.url], "round_robin", api_key=API, log_path=tmp_path / "r.log")
+        assert "\n" not in str(caught.value)
+    finally:
+        server.close()
+        for s in holders:
+            s.close()
+    said = [line for line in (tmp_path / "r.log").read_text().splitlines() if line.startswith("rlctl.inference.router:")]
+    assert len(said) == 5 and all("Address already in use" in line for line in said), said
+
+
 def test_control_routes_refuse_an_unauthenticated_add_worker(routed):
     from rlctl.inference.router import check_workers, list_workers
 
