@@ -25,9 +25,10 @@ overhead <= 15 % of the step (generation).
 
     python bench/bench_peer_trl.py [--variant toy|generation|compute|all] [--trl-python PY] [--side SIDE ...]
 
-`--side rlctl vllm-alone --variant generation` prints the overhead alone, without TRL. `-o KEY=VALUE`
-(repeatable) adds a recipe override to the variant's, for every side (e.g. `-o trainer.fsdp=2 -o
-trainer.micro_batch_size=128` gives the generation variant its former 2-rank trainer).
+`--side rlctl vllm-alone --variant generation` prints the overhead alone, without TRL; `--repeat N` runs
+rlctl N times, each run between two vLLM-alone measurements, and prints each overhead and their median.
+`-o KEY=VALUE` (repeatable) adds a recipe override to the variant's, for every side (e.g. `-o
+trainer.fsdp=2 -o trainer.micro_batch_size=128` gives the generation variant its former 2-rank trainer).
 
 `--trl-python` runs the TRL side with another interpreter (a venv with trl + accelerate + this package).
 """
@@ -45,6 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cpu_by_component import CpuSampler, floor_s
+from vllm_alone_batch import around, overhead, vllm_alone
 
 T_START = time.time()  # before the heavy imports: TRL's start-up counts
 REPO = Path(__file__).resolve().parents[1]
@@ -241,47 +243,6 @@ def launch_rlctl(variant: Variant, out_root: Path, model_dir: Path | None) -> di
     return summary
 
 
-def vllm_alone(variant: Variant, model_dir: Path | None, out_dir: Path, repeats: int = 5) -> dict:
-    """Seconds vLLM alone (offline, the server's settings, all cores) needs for one batch of the variant."""
-    import random
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as rlctl's one-worker CPU server
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # ditto (inference/server.py: server_env)
-    from rlctl.orchestrator.environments import load_environment
-
-    r = _recipe(variant)
-    o, inf = r["orchestrator"], r["inference"]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(inf["kv_cache_gib_cpu"]))))
-    from vllm import LLM, SamplingParams
-
-    model_dir = _model_or_tiny(r, model_dir, out_dir)
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=inf["max_model_len"], seed=0)
-    env = load_environment(o["environment"]["name"], o["environment"]["args"])
-    prompts = [p.text for p in env.sample_prompts(random.Random(0), o["rollouts_per_step"] // o["group_size"])]
-    # Every completion max_tokens long: the batch a trained policy sends in rlctl's steady state (count_a's
-    # completions run to the limit once learnt), not the untrained model's, whose early EOS shortens it.
-    params = SamplingParams(n=o["group_size"], max_tokens=o["max_tokens"], temperature=o["temperature"], logprobs=0,
-                            ignore_eos=True)
-    times, cpu = [], []
-    for _ in range(repeats + 1):  # the first one warms up
-        t, c = time.perf_counter(), time.process_time()  # CPU seconds of all this process's threads
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
-    return {"side": "vllm-alone", "batch_s": statistics.median(times[1:]), "batch_cpu_s": statistics.median(cpu[1:]),
-            "batch_tokens": tokens, "batch_times_s": times[1:], "batch_cpu_times_s": cpu[1:]}
-
-
-def around(before: dict, after: dict) -> dict:
-    """vLLM alone measured before and after the rlctl run, pooled: this host's speed drifts by up to 30%
-    within minutes (0.56 and 0.73 s for the same batch a few minutes apart), more than the overhead goal's
-    margin, so one measurement on one side of the run can make the overhead look 20 points better or worse."""
-    times, cpu = before["batch_times_s"] + after["batch_times_s"], before["batch_cpu_times_s"] + after["batch_cpu_times_s"]
-    return {**after, "batch_s": statistics.median(times), "batch_cpu_s": statistics.median(cpu),
-            "batch_s_before": before["batch_s"], "batch_s_after": after["batch_s"]}
-
-
 def _child(side: str, variant_name: str, python: str, model_dir: Path | None, max_steps: int,
            overrides: list[str]) -> dict:
     """A side in a fresh interpreter: its start-up and imports are part of its wall time, as rlctl's are."""
@@ -301,7 +262,7 @@ def _fmt(v, spec=".1f"):
 
 
 def report(name: str, variant: Variant, rows: dict) -> None:
-    rl, trl, alone = rows.get("rlctl"), rows.get("trl"), rows.get("vllm-alone")
+    rl, trl, alone, repeats = rows.get("rlctl"), rows.get("trl"), rows.get("vllm-alone"), rows.get("repeats", [])
     print(f"\n## {name}\n")
     print(f"| side | start-up s | wall to reward {TARGET} s | steps to {TARGET} | reward first -> last (steps) "
           "| reward max | rollout tok/s (loop) |")
@@ -333,16 +294,27 @@ def report(name: str, variant: Variant, rows: dict) -> None:
               + f"; {sum(cpu.values()):.3f} in all on {os.cpu_count()} cores, so no step interval below "
               f"{floor_s(cpu):.2f} s however they are scheduled"
               + (f" (vLLM alone: {alone['batch_cpu_s']:.3f} CPU s per batch)" if alone and alone.get("batch_cpu_s") else ""))
-    if rl and alone and rl["step_interval_s"]:
-        compute = max(alone["batch_s"], rl["trainer_step_s"] or 0.0)
-        share = (rl["step_interval_s"] - compute) / rl["step_interval_s"]
+    share = overhead(rl, alone)
+    if share is not None:
         goal = variant.overhead_goal
         drift = (f", {alone['batch_s_before']:.2f} before the run and {alone['batch_s_after']:.2f} after it"
                  if "batch_s_before" in alone else "")
         print(f"step interval {rl['step_interval_s']:.2f} s; vLLM alone {alone['batch_s']:.2f} s per batch "
               f"({alone['batch_tokens']} tokens{drift}), trainer step {_fmt(rl['trainer_step_s'], '.2f')} s; rlctl's own "
               f"overhead {share:.0%} of the step" + (f" (goal <= {goal:.0%}: {'ok' if share <= goal else 'MISSED'})"
-                                                     if goal else ""))
+                                                     if goal and len(repeats) < 2 else ""))
+    if len(repeats) > 1:
+        shares = [overhead(r, a) for r, a in repeats]
+        line = f"{len(repeats)} rlctl runs: step interval " + ", ".join(
+            f"{r['step_interval_s']:.2f}" for r, _ in repeats) + " s; rollout tok/s " + ", ".join(
+            f"{r['rollout_tokens_per_s']:.0f}" for r, _ in repeats)
+        if None not in shares:
+            median, goal = statistics.median(shares), variant.overhead_goal
+            batch_s = ", ".join(f"{a['batch_s']:.2f}" for _, a in repeats)
+            line += (f"; vLLM alone around each run {batch_s} s"
+                     f"; overhead {', '.join(f'{x:.0%}' for x in shares)} of the step, median {median:.0%}"
+                     + (f" (goal <= {goal:.0%}: {'ok' if median <= goal else 'MISSED'})" if goal else ""))
+        print(line)
 
 
 def main() -> None:
@@ -354,14 +326,22 @@ def main() -> None:
                     help="sides to run (rlctl vllm-alone: the overhead without TRL installed)")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override added to the variant's, for every side (repeatable)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="rlctl runs of a variant, each between two vLLM-alone measurements: the overhead of each "
+                    "and their median (the host's speed drifts more than the goal's margin)")
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)  # a child side gets the shared model
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat: at least 1")
     if os.environ.get("RLCTL_BENCH_CHILD"):
         variant = _with(args.variant, args.override)
         with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
-            row = (run_trl(variant, args.trl_max_steps, Path(tmp), args.model_dir) if args.side == ["trl"]
-                   else vllm_alone(variant, args.model_dir, Path(tmp)))
+            if args.side == ["trl"]:
+                row = run_trl(variant, args.trl_max_steps, Path(tmp), args.model_dir)
+            else:
+                recipe = _recipe(variant)
+                row = vllm_alone(recipe, _model_or_tiny(recipe, args.model_dir, Path(tmp)))
         print(json.dumps(row))
         return
     results, sides = {}, set(args.side)
@@ -370,12 +350,19 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="rlctl-peer-") as tmp:
             model_dir = build_model(variant, Path(tmp))
             alone = sides & {"all", "vllm-alone"} and variant.overhead_goal is not None
-            if alone:
-                rows["vllm-alone"] = _child("vllm-alone", name, sys.executable, model_dir, 0, args.override)
+
+            def measure_alone():
+                return _child("vllm-alone", name, sys.executable, model_dir, 0, args.override) if alone else None
+            before = measure_alone()
             if sides & {"all", "rlctl"}:
-                rows["rlctl"] = launch_rlctl(variant, Path(tmp) / "runs", model_dir)
-                if alone:  # again right after it: see `around`
-                    rows["vllm-alone"] = around(rows["vllm-alone"], _child("vllm-alone", name, sys.executable, model_dir, 0, args.override))
+                for i in range(args.repeat):
+                    run = launch_rlctl(variant, Path(tmp) / f"runs{i}", model_dir)
+                    after = measure_alone()  # again right after it: see `around`
+                    rows.setdefault("repeats", []).append((run, after and around(before, after)))
+                    before = after
+                rows["rlctl"], rows["vllm-alone"] = rows["repeats"][0]
+            else:
+                rows["vllm-alone"] = before
             if sides & {"all", "trl"}:
                 rows["trl"] = _child("trl", name, args.trl_python, model_dir, args.trl_max_steps, args.override)
         results[name] = rows
