@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import errno
 import json
 import os
 import signal
@@ -22,9 +21,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rlctl.inference.server import (check_model_for_target, data_parallel, format_command, free_port,
-                                   inference_target, render_server_command, server_env,
-                                   share_compile_cache, tensor_parallel)
+from rlctl.inference.server import (ADDRESS_IN_USE, PORT_TRIES, check_model_for_target, data_parallel,
+                                    format_command, free_port, inference_target, render_server_command,
+                                    server_env, share_compile_cache, tensor_parallel)
 from rlctl.inference.ipc_dir import ipc_safe_tmpdir
 from rlctl.inference.processes import exit_status, own_group_dying_with_parent, private_umask, stop_process_group
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval
@@ -38,12 +37,9 @@ LOG_TAIL_LINES = 40
 # process (launchers/local.py KILL_AFTER_S), so the server is gone before anyone kills us.
 SERVER_STOP_S = 8.0
 WARM_UP_MAX_N = 16  # completions in the warm-up request: a group's worth, as the first real batch sends
-# The server binds its port seconds after free_port found it free (vLLM's imports come first), and
-# another process on the host can take it in between (a resumed attempt's server died of it once in
-# a test run): the server is started again on another port, at most this many times in all.
-PORT_TRIES = 3
-PORT_TAKEN = -98  # what _serve returns for that; never a process's exit code here
-ADDRESS_IN_USE = os.strerror(errno.EADDRINUSE)  # as the server's OSError prints it
+# A port taken before the server bound it (a resumed attempt's server died of it once in a test run):
+# what _serve returns for that; never a process's exit code here. Retried up to server.PORT_TRIES.
+PORT_TAKEN = -98
 
 
 def _placement(run: RunDir) -> Placement:

@@ -16,11 +16,9 @@ exporter too (on its own port: the default 29000 collides between runs), and the
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib.util
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -29,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlctl.inference.server import free_port
+from rlctl.inference.server import ADDRESS_IN_USE, PORT_TRIES, free_port
 from rlctl.inference.processes import (has_exited, own_group_dying_with_parent, python_module_argv,
                                        stop_process_group)
 
@@ -42,12 +40,9 @@ NEVER = 2**32 - 1  # a count vllm-router never reaches (its largest u32)
 
 ROUTER_HOST = "127.0.0.1"  # only the orchestrator, on this node, talks to the router
 KEY_CHECK_ROUTE = "/v1/models"  # cheap, and open to the api key on every server (auth.py)
-# Both ports are bound a fraction of a second after free_port found them free (the router's imports come
-# first), and another process on the node can take one in between: the router is then started again on
-# other ports, at most this many times in all.
-PORT_TRIES = 3
-PORT_TAKEN_EXIT = 75  # the router child's exit code for that (EX_TEMPFAIL)
-ADDRESS_IN_USE = os.strerror(errno.EADDRINUSE)  # as both of its bind errors print it
+# The router child's exit code when one of its two ports was taken before it bound it (EX_TEMPFAIL):
+# started again on other ports, up to server.PORT_TRIES in all.
+PORT_TAKEN_EXIT = 75
 
 
 class RouterWorkersChanged(RuntimeError):

@@ -6,6 +6,7 @@ asking for one fails with a one-line RecipeError.
 """
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import math
@@ -369,6 +370,13 @@ def _bind(host: str, port: int) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, port))
         return s.getsockname()[1]
+
+
+# A listener binds the port free_port found only after its imports (seconds for vLLM, a fraction of one
+# for the router), and another process on the host can take it in between: its starter starts it again
+# on another port, at most this many times in all (inference/__main__.py, router.py).
+PORT_TRIES = 3
+ADDRESS_IN_USE = os.strerror(errno.EADDRINUSE)  # as a bind that failed so prints it
 
 
 def free_port(host: str) -> int:
