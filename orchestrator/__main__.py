@@ -348,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_loop(main) -> None:
+    from rlctl.inference.processes import fewer_gc_passes
+
+    # at CPython's default: a full collection every ~25 steps, 0.1-0.24 s each with torch loaded
+    fewer_gc_passes()
     try:
         import uvloop
 

@@ -83,3 +83,13 @@ def tiny_cpu_run(tmp_path_factory):
 
     run, out, took = launch_waiting(tmp_path_factory.mktemp("tiny-cpu"), TINY, "e2e")
     return SimpleNamespace(run=run, out=out, took=took)
+
+
+@pytest.fixture
+def gc_threshold():
+    """This test process's GC threshold, restored afterwards."""
+    import gc
+
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)

@@ -261,3 +261,16 @@ def test_completion_streams_are_joined_in_vllms_server(monkeypatch):
 async def _events_of_a_step(self):
     for choice in range(2):
         yield f"data: {choice}\n\n"
+
+
+def test_vllms_server_runs_its_gc_at_the_larger_threshold(monkeypatch, gc_threshold):
+    import gc
+
+    from rlctl.inference import vllm_main
+    from rlctl.inference.processes import GC_YOUNG_THRESHOLD
+
+    for change in ("load_adapters_in_place_once", "logprobs_without_token_strings", "stream_events_joined"):
+        monkeypatch.setattr(vllm_main, change, lambda: True)  # this test process keeps vLLM's own classes
+    gc.set_threshold(700, 10, 10)
+    vllm_main.patch_vllm()
+    assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, 10, 10)

@@ -78,3 +78,22 @@ def test_orchestrator_runs_to_done_through_the_real_router(tmp_path):
     time.sleep(0.2)
     with pytest.raises(ProcessLookupError):
         os.kill(router["pid"], 0)  # the router was stopped
+
+
+def test_the_rollout_loop_runs_its_gc_at_the_larger_threshold(gc_threshold):
+    import asyncio
+    import gc
+
+    from rlctl.inference.processes import GC_YOUNG_THRESHOLD
+    from rlctl.orchestrator.__main__ import _run_loop
+
+    async def threshold_inside():
+        seen.append(gc.get_threshold()[0])
+
+    seen, policy = [], asyncio.get_event_loop_policy()
+    gc.set_threshold(700, 10, 10)
+    try:
+        _run_loop(threshold_inside())
+    finally:
+        asyncio.set_event_loop_policy(policy)  # _run_loop installs uvloop's
+    assert seen == [GC_YOUNG_THRESHOLD]
