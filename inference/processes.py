@@ -72,7 +72,7 @@ def private_umask() -> None:
 # Young-generation size at which Python's cyclic GC runs (CPython's default: 700 net container allocations).
 # vLLM's API server builds and drops tens of thousands of small objects (requests, outputs, logprob lists,
 # JSON) per step: at 700 it ran about 100 young and 1 full collection per step of the generation-heavy peer
-# variant, 40 ms of its 0.3 CPU s (gc.callbacks in each process). At 50000 it ran one young collection in
+# variant, 40 ms of its 0.3 CPU s (gc.callbacks in each process). At 50000 it ran 1-2 young collections in
 # 54 steps and the engine core, which inherits it through the fork, none. What only the cyclic GC frees
 # (objects in reference cycles) waits longer: up to this many objects between collections.
 GC_YOUNG_THRESHOLD = 50_000
