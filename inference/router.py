@@ -151,7 +151,10 @@ def _spawn(worker_urls: list[str], policy: str, log_path: Path | None) -> Router
 def _wait_ready(router: RouterProcess, api_key: str, timeout_s: float, where: str) -> int | None:
     """None once the router answers its health route; its exit code if it ends first."""
     deadline = time.monotonic() + timeout_s
-    while _get(f"{router.url}/health", api_key)[0] != 200:
+    # A short timeout per poll: it answers in milliseconds, and when another process took the port between
+    # free_port() and the bind without accepting on it, each poll would otherwise hang 5 s before we see
+    # the router's exit.
+    while _get(f"{router.url}/health", api_key, timeout=1.0)[0] != 200:
         if not router.alive():
             return router.stop()
         if time.monotonic() > deadline:
