@@ -161,11 +161,23 @@ def builtin_class(name: str) -> type[Environment]:
 def check_environment_args(name: str, args: dict[str, Any] | None) -> None:
     """`args` fit the constructor of built-in `name`, which is not built (for one whose building loads
     user code or data, e.g. `verifiers`' task set); `load_environment` checks them by building."""
+    cls = builtin_class(name)
     try:
-        inspect.signature(builtin_class(name)).bind(**(args or {}))
+        inspect.signature(cls).bind(**(args or {}))
     except TypeError as exc:
-        raise RecipeError(f"bad arguments for environment {name!r}: {exc}",
-                          key="orchestrator.environment.args") from None
+        raise bad_environment_args(name, cls, exc) from None
+
+
+def bad_environment_args(name: str, cls: type, exc: TypeError) -> RecipeError:
+    """One line naming what `cls` takes: after `-o orchestrator.environment.name=...` the recipe's args
+    are still the old environment's, and the constructor's message names only the first bad one."""
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the constructor's message alone
+        return RecipeError(f"bad arguments for environment {name!r}: {exc}", key="orchestrator.environment.args")
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes = f"; {name!r} takes {', '.join(named)}" if named else "" if params else f"; {name!r} takes no arguments"
+    return RecipeError(f"bad arguments for environment {name!r}: {exc}{takes}", key="orchestrator.environment.args")
 
 
 def load_environment(name: str, args: dict[str, Any] | None = None) -> Environment:
@@ -189,4 +201,4 @@ def load_environment(name: str, args: dict[str, Any] | None = None) -> Environme
     try:
         return cls(**(args or {}))
     except TypeError as exc:
-        raise RecipeError(f"bad arguments for environment {name!r}: {exc}", key="orchestrator.environment.args") from exc
+        raise bad_environment_args(name, cls, exc) from exc

@@ -243,6 +243,10 @@ def test_more_gpus_per_node_than_the_profile_has_is_refused_naming_the_key(tmp_p
     ("tiny-tools-cpu", ["orchestrator.environment.args={keys=11}"], "orchestrator.environment.args.keys: keys must be"),
     ("tiny-cpu", ["orchestrator.environment.name=tool_lookup", "orchestrator.environment.args={length=3}"],
      "orchestrator.environment.args: bad arguments for environment 'tool_lookup'"),
+    # the name switched, the recipe's args still the old environment's: the line says what the new one takes
+    ("tiny-cpu", ["orchestrator.environment.name=count_a"],
+     "orchestrator.environment.args: bad arguments for environment 'count_a': CountAEnvironment.__init__() got an "
+     "unexpected keyword argument 'alphabets'; 'count_a' takes length, prompt_len"),
     ("tiny-cpu", ["orchestrator.environment.name=verifiers", "orchestrator.environment.args={tasket='x'}"],
      "orchestrator.environment.args: bad arguments for environment 'verifiers'"),
     ("tiny-dataset-cpu", ["orchestrator.environment.args={x=3}"],
