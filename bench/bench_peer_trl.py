@@ -17,9 +17,10 @@ router + orchestrator + FSDP2 trainer overlapping by one policy step. Variants:
 Reported per side: wall time from start (before imports / before `rlctl launch`) to the first step whose
 mean reward is >= 0.9, the reward reached, and rollout throughput = completion tokens generated / wall
 time of the training loop (what the whole system delivers, generation and training together). For
-rlctl also the start-up timeline and its own per-step overhead: the mean step interval (steady state) minus what
-the critical path needs without rlctl, max(vLLM alone on the same batch, the trainer's step compute);
-vLLM alone is measured just before and just after the rlctl run, and the two pooled (`around`).
+rlctl also the start-up timeline and its own per-step overhead: the mean step interval (steady state)
+minus what the critical path needs without rlctl, max(vLLM alone on the same batch, the trainer's step
+compute); vLLM alone is measured just before and just after the rlctl run, and the two pooled (`around`).
+`peer_report.py` prints the table and the ratios.
 Goals (issue: weights and start-up): rollout tokens/s rlctl/TRL >= 0.9 (compute), >= 0.5 (generation);
 overhead <= 15 % of the step (generation).
 
@@ -45,13 +46,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cpu_by_component import CpuSampler, floor_s
-from vllm_alone_batch import around, overhead, vllm_alone
+from cpu_by_component import CpuSampler
+from peer_report import TARGET, json_rows, report
+from vllm_alone_batch import around, vllm_alone
 
 T_START = time.time()  # before the heavy imports: TRL's start-up counts
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.toml"
-TARGET = 0.9
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ def rlctl_summary(run: Path, t0: float | None) -> dict:
     return _summary("rlctl", [r["reward_mean"] for r in orch], [r["time"] for r in orch], t0, t_loop, t_end,
                     tokens, {"step_interval_s": span / n if n else None,
                              "step_intervals_s": [b["time"] - a["time"] for a, b in zip(steady, steady[1:])],
-                             "steady_window": (steady[0]["time"], steady[-1]["time"], len(steady) - 1),
+                             "steady_window": (steady[0]["time"], steady[-1]["time"], n),
                              "trainer_step_s": _median([r["trainer_step_time_s"] for r in trainer
                                                         if "trainer_step_time_s" in r][3:]),
                              "orchestrator_tokens_per_s_median": _median([r["tokens_per_s"] for r in orch])})
@@ -275,81 +276,6 @@ def _child(side: str, variant_name: str, python: str, model_dir: Path | None, ma
     if out.returncode != 0:
         sys.exit(f"{side} side failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _fmt(v, spec=".1f"):
-    return "-" if v is None else format(v, spec)
-
-
-def report(name: str, variant: Variant, rows: dict) -> None:
-    rl, trl, alone, repeats = rows.get("rlctl"), rows.get("trl"), rows.get("vllm-alone"), rows.get("repeats", [])
-    print(f"\n## {name}\n")
-    print(f"| side | start-up s | wall to reward {TARGET} s | steps to {TARGET} | reward first -> last (steps) "
-          "| reward max | rollout tok/s (loop) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in (rl, trl):
-        if r:
-            print(f"| {r['side']} | {_fmt(r['startup_s'])} | {_fmt(r['wall_to_target_s'])} | {r['steps_to_target'] or '-'} "
-                  f"| {_fmt(r['reward_first'], '.3f')} -> {_fmt(r['reward_last'], '.3f')} ({r['steps']}) "
-                  f"| {_fmt(r['reward_max'], '.3f')} | {_fmt(r['rollout_tokens_per_s'], '.0f')} |")
-    if rl:
-        print("rlctl start-up (s after launch): " + ", ".join(f"{k} {v}" for k, v in rl["startup_timeline_s"].items()))
-    if rl and trl and rl["rollout_tokens_per_s"] and trl["rollout_tokens_per_s"]:
-        ratio = rl["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"]
-        goal = variant.tokens_per_s_goal
-        print(f"rollout tokens/s rlctl/TRL: {ratio:.2f}x" + (f" (goal >= {goal}x: {'ok' if ratio >= goal else 'MISSED'})"
-                                                             if goal else ""))
-        if alone and alone["batch_s"]:
-            # What vLLM itself allows: its offline speed on this batch (one process, no server, no trainer beside
-            # it) against TRL's loop. rlctl, which generates with vLLM, cannot beat this ceiling.
-            ceiling = alone["batch_tokens"] / alone["batch_s"] / trl["rollout_tokens_per_s"]
-            print(f"ceiling set by vLLM alone (its offline tokens/s / TRL's loop tokens/s): {ceiling:.2f}x; "
-                  f"rlctl reaches {ratio / ceiling:.0%} of it")
-        if rl["wall_to_target_s"] and trl["wall_to_target_s"]:
-            print(f"wall to reward {TARGET} rlctl/TRL: {rl['wall_to_target_s'] / trl['wall_to_target_s']:.2f}x")
-    if rl and rl.get("cpu_per_step_s"):
-        cpu = rl["cpu_per_step_s"]
-        print("rlctl CPU seconds per step (steady state, from /proc): "
-              + ", ".join(f"{name} {v:.3f}" for name, v in cpu.items())
-              + f"; {sum(cpu.values()):.3f} in all on {os.cpu_count()} cores, so no step interval below "
-              f"{floor_s(cpu):.2f} s however they are scheduled"
-              + (f" (vLLM alone: {alone['batch_cpu_s']:.3f} CPU s per batch)" if alone and alone.get("batch_cpu_s") else ""))
-    share = overhead(rl, alone)
-    if share is not None:
-        goal = variant.overhead_goal
-        drift = (f", {alone['batch_s_before']:.2f} before the run and {alone['batch_s_after']:.2f} after it"
-                 if "batch_s_before" in alone else "")
-        print(f"step interval {rl['step_interval_s']:.2f} s; vLLM alone {alone['batch_s']:.2f} s per batch "
-              f"({alone['batch_tokens']} tokens{drift}), trainer step {_fmt(rl['trainer_step_s'], '.2f')} s; rlctl's own "
-              f"overhead {share:.0%} of the step" + (f" (goal <= {goal:.0%}: {'ok' if share <= goal else 'MISSED'})"
-                                                     if goal and len(repeats) < 2 else ""))
-    if len(repeats) > 1:
-        shares = [overhead(r, a) for r, a in repeats]
-        line = f"{len(repeats)} rlctl runs: step interval " + ", ".join(
-            f"{r['step_interval_s']:.2f}" for r, _ in repeats) + " s; rollout tok/s " + ", ".join(
-            f"{r['rollout_tokens_per_s']:.0f}" for r, _ in repeats)
-        if None not in shares:
-            median, goal = statistics.median(shares), variant.overhead_goal
-            batch_s = ", ".join(f"{a['batch_s']:.2f}" for _, a in repeats)
-            line += (f"; vLLM alone around each run {batch_s} s"
-                     f"; overhead {', '.join(f'{x:.0%}' for x in shares)} of the step, median {median:.0%}"
-                     + (f" (goal <= {goal:.0%}: {'ok' if median <= goal else 'MISSED'})" if goal else ""))
-        print(line)
-
-
-def _json_rows(rows: dict) -> dict:
-    """A variant's rows for --json: with --repeat N > 1 each run once, under "repeats", with its overhead and
-    their median (the text report shows the first run in full, the JSON would otherwise hold it twice)."""
-    out = {k: v for k, v in rows.items() if k != "repeats"}
-    repeats = rows.get("repeats", [])
-    if len(repeats) > 1:
-        out.pop("rlctl"), out.pop("vllm-alone")
-        out["repeats"] = [{"rlctl": r, "vllm-alone": a, "overhead": overhead(r, a)} for r, a in repeats]
-        shares = [x["overhead"] for x in out["repeats"]]
-        out["overhead_median"] = None if None in shares else statistics.median(shares)
-    elif repeats:
-        out["overhead"] = overhead(*repeats[0])
-    return out
 
 
 def main() -> None:
@@ -404,7 +330,7 @@ def main() -> None:
         if not args.json:
             report(name, variant, rows)
     if args.json:
-        print(json.dumps({name: _json_rows(rows) for name, rows in results.items()}, indent=2))
+        print(json.dumps({name: json_rows(rows) for name, rows in results.items()}, indent=2))
 
 
 if __name__ == "__main__":
