@@ -174,9 +174,14 @@ def bad_environment_args(name: str, cls: type, exc: TypeError) -> RecipeError:
     try:
         params = list(inspect.signature(cls).parameters.values())
     except (TypeError, ValueError):  # no signature to read: the constructor's message alone
-        return RecipeError(f"bad arguments for environment {name!r}: {exc}", key="orchestrator.environment.args")
-    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    takes = f"; {name!r} takes {', '.join(named)}" if named else "" if params else f"; {name!r} takes no arguments"
+        params = None
+    named = [p.name for p in params or () if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if named:
+        takes = f"; {name!r} takes {', '.join(named)}"
+    elif params == []:
+        takes = f"; {name!r} takes no arguments"
+    else:  # no signature, or only *args/**kwargs: nothing more to say than the constructor did
+        takes = ""
     return RecipeError(f"bad arguments for environment {name!r}: {exc}{takes}", key="orchestrator.environment.args")
 
 

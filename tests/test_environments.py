@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from rlctl.orchestrator.environments import Environment, Prompt, SequenceEnvironment, load_environment
+from rlctl.orchestrator.environments import (Environment, Prompt, SequenceEnvironment, bad_environment_args,
+                                             load_environment)
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.tiny_model import CHARSET
 
@@ -73,3 +74,24 @@ def test_bad_input_is_one_line_recipe_error(name, args, match):
     with pytest.raises(RecipeError, match=match) as info:
         load_environment(name, args)
     assert "\n" not in str(info.value) and str(info.value).startswith("orchestrator.environment")
+
+
+class NoArgs(Echo):
+    def __init__(self):
+        super().__init__()
+
+
+class AnyArgs(Echo):
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+@pytest.mark.parametrize("cls,ends", [
+    (Echo, "; 'env' takes word"),
+    (NoArgs, "; 'env' takes no arguments"),
+    (AnyArgs, "boom"),  # nothing named to list: the constructor's own message is the whole line
+])
+def test_bad_args_line_says_what_the_environment_takes(cls, ends):
+    err = bad_environment_args("env", cls, TypeError("boom"))
+    assert err.key == "orchestrator.environment.args" and str(err).endswith(ends)
+    assert "bad arguments for environment 'env': boom" in str(err)
