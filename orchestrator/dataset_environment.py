@@ -90,12 +90,16 @@ class DatasetEnvironment(Environment):
             text = self.template.render(messages)
         return Prompt(text, row.answer, {"row": row.index, "split": split})
 
-    def fits(self, prompt: Prompt) -> bool:
-        """Whether the servers can take `prompt` (it leaves a token of their context); names a row that does not, once."""
+    def _fitting(self, row: Row, split: str) -> Prompt | None:
+        """`row` rendered, or None when its prompt leaves no token of the servers' context: such a row is
+        named in the log once and not rendered again."""
         if self.limit is None:
-            return True
-        split, row = prompt.info["split"], prompt.info["row"]
-        return self.limit.fits((split, row), prompt.text, f"{split} row {row} of the dataset")
+            return self.render(row, split)
+        where = (split, row.index)
+        if where in self.limit.too_long:
+            return None
+        prompt = self.render(row, split)
+        return prompt if self.limit.fits(where, prompt.text, f"{split} row {row.index} of the dataset") else None
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         """The next `n` rows that fit the servers' context, in the dataset's own seeded order (`rng` is not
@@ -103,8 +107,8 @@ class DatasetEnvironment(Environment):
         prompts: list[Prompt] = []
         skipped = 0
         while len(prompts) < n:
-            prompt = self.render(self.train[self.cursor.next()], "train")
-            if self.fits(prompt):
+            prompt = self._fitting(self.train[self.cursor.next()], "train")
+            if prompt is not None:
                 prompts.append(prompt)
             elif (skipped := skipped + 1) >= len(self.train):  # a whole epoch of rows too long
                 raise self.limit.none_fit("training row's")
@@ -112,7 +116,7 @@ class DatasetEnvironment(Environment):
 
     def eval_prompts(self, limit: int | None = None) -> list[Prompt]:
         """The eval split in file order (the first `limit` rows when given), less the rows too long."""
-        return [p for p in (self.render(row, "eval") for row in self.eval[:limit]) if self.fits(p)]
+        return [p for p in (self._fitting(row, "eval") for row in self.eval[:limit]) if p is not None]
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
         return float(self.score(completion_text, prompt.target))

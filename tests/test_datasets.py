@@ -193,6 +193,8 @@ def test_rows_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(
         return tokenizer(text)
 
     env = DatasetEnvironment(dataset(path, eval_path=str(path)), 0, limit=PromptLimit(counting, limit))
+    rendered, render = [], env.render
+    env.render = lambda row, split: rendered.append((split, row.index)) or render(row, split)
     with caplog.at_level("WARNING"):
         drawn = [env.sample_prompts(random.Random(0), 1)[0] for _ in range(25)]  # 2.5 epochs of 10 rows
         evaluated = env.eval_prompts()
@@ -203,6 +205,7 @@ def test_rows_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(
                                    f"servers' context (inference.max_model_len) is {limit}"
                                    for split in ("train", "eval") for i in (3, 7))
     assert len(long_calls) == 4  # a skipped row is tokenized once per split, not again each epoch
+    assert sorted(r for r in rendered if r[1] in (3, 7)) == [("eval", 3), ("eval", 7), ("train", 3), ("train", 7)]
     never = DatasetEnvironment(dataset(path), 0, limit=PromptLimit(tokenizer, 1))
     with pytest.raises(RecipeError) as err:
         never.sample_prompts(random.Random(0), 1)
