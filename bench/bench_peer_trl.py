@@ -48,7 +48,7 @@ from pathlib import Path
 
 from cpu_by_component import CpuSampler
 from peer_report import TARGET, json_rows, report
-from vllm_alone_batch import around, vllm_alone
+from vllm_alone_batch import around, use_server_settings, vllm_alone
 
 T_START = time.time()  # before the heavy imports: TRL's start-up counts
 REPO = Path(__file__).resolve().parents[1]
@@ -302,6 +302,7 @@ def main() -> None:
                 row = run_trl(variant, args.trl_max_steps, Path(tmp), args.model_dir)
             else:
                 recipe = _recipe(variant)
+                use_server_settings(recipe)  # before building the model imports torch
                 row = vllm_alone(recipe, _model_or_tiny(recipe, args.model_dir, Path(tmp)))
         print(json.dumps(row))
         return

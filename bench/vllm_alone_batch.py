@@ -5,18 +5,32 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 
+def use_server_settings(recipe: dict) -> None:
+    """The environment of rlctl's one-worker CPU server (inference/server.py: server_env), set before torch
+    is imported: libgomp reads OMP_WAIT_POLICY once, when torch loads it. Set after a tiny model was built
+    here (torch imported), its threads spun between forward passes with the default policy, and vLLM alone
+    took both cores (0.52-0.57 CPU s per batch of the generation variant, against 0.31-0.35 with the
+    server's setting) and was 10-15% faster than the server's settings allow: a yardstick out of reach."""
+    if "torch" in sys.modules:
+        raise RuntimeError("use_server_settings() must run before torch is imported (OMP_WAIT_POLICY)")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(recipe["inference"]["kv_cache_gib_cpu"]))))
+
+
 def vllm_alone(recipe: dict, model_dir: Path, repeats: int = 5) -> dict:
-    """Seconds (wall and CPU) vLLM alone needs for one batch of `recipe` (a validated recipe's dict)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as rlctl's one-worker CPU server
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # ditto (inference/server.py: server_env)
+    """Seconds (wall and CPU) vLLM alone needs for one batch of `recipe` (a validated recipe's dict), in a
+    process that called `use_server_settings` first."""
+    if os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
+        raise RuntimeError("vllm_alone() without use_server_settings(): not the server's settings")
     from rlctl.orchestrator.environments import load_environment
 
     o, inf = recipe["orchestrator"], recipe["inference"]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(inf["kv_cache_gib_cpu"]))))
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=inf["max_model_len"], seed=0)
