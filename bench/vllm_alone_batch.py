@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 
 
+_SERVER_SETTINGS = False  # use_server_settings() ran (a variable set by hand is kept, as the server keeps it)
+
+
 def use_server_settings(recipe: dict) -> None:
     """The environment of rlctl's one-worker CPU server (inference/server.py: server_env), set before torch
     is imported: libgomp reads OMP_WAIT_POLICY once, when torch loads it. Set after a tiny model was built
@@ -18,6 +21,8 @@ def use_server_settings(recipe: dict) -> None:
     server's setting) and was 10-15% faster than the server's settings allow: a yardstick out of reach."""
     if "torch" in sys.modules:
         raise RuntimeError("use_server_settings() must run before torch is imported (OMP_WAIT_POLICY)")
+    global _SERVER_SETTINGS
+    _SERVER_SETTINGS = True
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(recipe["inference"]["kv_cache_gib_cpu"]))))
@@ -26,7 +31,7 @@ def use_server_settings(recipe: dict) -> None:
 def vllm_alone(recipe: dict, model_dir: Path, repeats: int = 5) -> dict:
     """Seconds (wall and CPU) vLLM alone needs for one batch of `recipe` (a validated recipe's dict), in a
     process that called `use_server_settings` first."""
-    if os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
+    if not _SERVER_SETTINGS:
         raise RuntimeError("vllm_alone() without use_server_settings(): not the server's settings")
     from rlctl.orchestrator.environments import load_environment
 
