@@ -17,7 +17,7 @@ def use_server_settings(recipe: dict) -> None:
     """The environment of rlctl's one-worker CPU server (inference/server.py: server_env), set before torch
     is imported: libgomp reads OMP_WAIT_POLICY once, when torch loads it. Set after a tiny model was built
     here (torch imported), its threads spun between forward passes with the default policy, and vLLM alone
-    took both cores (0.52-0.57 CPU s per batch of the generation variant, against 0.31-0.35 with the
+    took both cores (0.52-0.59 CPU s per batch of the generation variant, against 0.31-0.37 with the
     server's setting) and was 10-15% faster than the server's settings allow: a yardstick out of reach."""
     if "torch" in sys.modules:
         raise RuntimeError("use_server_settings() must run before torch is imported (OMP_WAIT_POLICY)")
