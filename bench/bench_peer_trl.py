@@ -4,7 +4,8 @@ Both sides train the same model (`build_tiny_model`, same seed) on the same envi
 reward, batch shape and optimiser, on the same CPU: AdamW at the recipe's lr, grad-norm clip 1, no KL
 term, advantages = reward - group mean, loss normalised by the token count. TRL generates with
 transformers' `generate` between optimiser steps (its default, no vLLM); rlctl runs a vLLM CPU server +
-router + orchestrator + FSDP2 trainer overlapping by one policy step. Variants:
+router + orchestrator + FSDP2 trainer, sampling while the trainer steps (one policy step behind, two in
+the generation variant). Variants:
 
 - `toy`: recipes/tiny-cpu.toml as it is (0.1M parameters, `sequence`, 32 x 16 rollouts of 2 tokens,
   a 2-rank trainer);

@@ -91,15 +91,11 @@ class DatasetEnvironment(Environment):
         return Prompt(text, row.answer, {"row": row.index, "split": split})
 
     def _fitting(self, row: Row, split: str) -> Prompt | None:
-        """`row` rendered, or None when its prompt leaves no token of the servers' context: such a row is
-        named in the log once and not rendered again."""
+        """`row` rendered, or None when its prompt leaves no token of the servers' context."""
         if self.limit is None:
             return self.render(row, split)
-        where = (split, row.index)
-        if where in self.limit.too_long:
-            return None
-        prompt = self.render(row, split)
-        return prompt if self.limit.fits(where, prompt.text, f"{split} row {row.index} of the dataset") else None
+        return self.limit.fitting((split, row.index), lambda: self.render(row, split),
+                                  f"{split} row {row.index} of the dataset")
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         """The next `n` rows that fit the servers' context, in the dataset's own seeded order (`rng` is not

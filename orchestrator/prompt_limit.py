@@ -4,10 +4,13 @@ their own (a dataset, a verifiers task set) skip such a prompt, naming it once i
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 from rlctl.recipes.errors import RecipeError
+
+if TYPE_CHECKING:
+    from rlctl.orchestrator.environments import Prompt
 
 log = logging.getLogger(__name__)
 KEY = "inference.max_model_len"
@@ -33,24 +36,25 @@ def prompt_limit(template, directory: str, max_model_len: int) -> "PromptLimit |
 
 
 class PromptLimit:
-    """`fits(where, text, name)`: whether a prompt leaves a token of the servers' context. `where` keys the
-    prompt (a row, a task) and `name` says it in the log; a prompt's text never changes, so one found too
-    long is not tokenized again (`where in too_long` tells a caller before it renders)."""
+    """`fitting(where, render, name)`: the prompt `render()` gives, or None when it leaves no token of the
+    servers' context. `where` keys the prompt (a row, a task) and `name` says it in the log; a prompt
+    never changes, so one found too long is named once and neither rendered nor tokenized again."""
 
     def __init__(self, tokenizer: Any, limit: int):
         self.tokenizer, self.limit = tokenizer, limit
         self.too_long: set[Hashable] = set()
 
-    def fits(self, where: Hashable, text: str, name: str) -> bool:
+    def fitting(self, where: Hashable, render: Callable[[], "Prompt"], name: str) -> "Prompt | None":
         if where in self.too_long:
-            return False
-        tokens = len(self.tokenizer(text)["input_ids"])  # as vLLM tokenizes a completion's prompt
+            return None
+        prompt = render()
+        tokens = len(self.tokenizer(prompt.text)["input_ids"])  # as vLLM tokenizes a completion's prompt
         if tokens < self.limit:
-            return True
+            return prompt
         self.too_long.add(where)
         log.warning("%s skipped: its prompt is %d tokens, and the servers' context (%s) is %d",
                     name, tokens, KEY, self.limit)
-        return False
+        return None
 
     def none_fit(self, what: str) -> RecipeError:
         return RecipeError(f"no {what} prompt fits the servers' context ({self.limit} tokens): raise it or "

@@ -184,10 +184,10 @@ class VerifiersEnvironment(Environment):
             if self.limit is not None and len(self.limit.too_long) == len(self.tasks):
                 raise self.limit.none_fit("task's")
             index = rng.randrange(len(self.tasks))
-            if self.limit is not None and index in self.limit.too_long:  # known too long: not rendered again
-                continue
-            prompt = self.render(self.tasks[index])
-            if self.limit is None or self.limit.fits(index, prompt.text, f"task {self.tasks[index].data.idx} of the task set"):
+            task = self.tasks[index]
+            prompt = self.render(task) if self.limit is None else self.limit.fitting(
+                index, lambda: self.render(task), f"task {task.data.idx} of the task set")
+            if prompt is not None:
                 prompts.append(prompt)
         return prompts
 
