@@ -153,11 +153,15 @@ communicator). CPU: ≈ 0.1 s with gloo (bench/bench_weight_broadcast.py). GPU: 
 communicator set-up over a hundred-odd ranks takes seconds."""
 
 # ---- CPU path (vLLM CPU build, FSDP2 on gloo; the model is recipes/plan_report.py) ---------------
-# Measured on the tiny-cpu recipe (tiny Qwen3, 0.1M params) on a 2-core box shared with other work:
-# median trainer step 0.23 s (4 micro-batches per rank), median orchestrator step 0.38 s (512
-# rollouts × 2 tokens). Tiny models are overhead-bound; the FLOP and byte terms take over for real
-# models. `rlctl plan --calibrate RUN` refits these to a finished run.
-CPU_TRAIN_FLOPS_PER_CORE = 10e9
+# Measured on a 2-core box. The engine terms come from vLLM alone (offline, the server's settings, the
+# tiny Qwen3 of 0.1M parameters) over 16-512 sequences x 2-32 tokens: a batch took decode steps x
+# (1.2 ms + 39.5 us per sequence) + 45 us per sequence, within 15% from 64 sequences up. The trainer terms
+# and the per-rollout serving cost come from runs: tiny-cpu (2 ranks, 512 rollouts x 2 tokens) median
+# trainer step 0.084-0.093 s, orchestrator step 0.185 s; its generation-heavy variant (1 rank, 256 x 32
+# tokens, bench/bench_peer_trl.py) trainer step 0.23 s, step interval 0.37 s. Tiny models are
+# overhead-bound; the FLOP and byte terms take over for real models. `rlctl plan --calibrate RUN` refits
+# these to a finished run.
+CPU_TRAIN_FLOPS_PER_CORE = 35e9
 """Achieved fp32 FLOP/s per core in FSDP2 forward + backward on CPU (AVX2/AVX-512 GEMMs, autograd)."""
 CPU_TRAIN_STEP_OVERHEAD_S = 0.03
 """Per trainer step on CPU: optimizer step, gloo gradient reduce-scatter, batch read."""
@@ -167,11 +171,15 @@ CPU_INFER_FLOPS_PER_CORE = 10e9
 """Achieved FLOP/s per core of the vLLM CPU build in prefill and decode GEMMs."""
 CPU_MEM_BYTES_PER_S = 20e9
 """Memory bandwidth a CPU decode step streams the weights at (one socket, DDR4/DDR5)."""
-CPU_DECODE_STEP_OVERHEAD_S = 0.01
+CPU_DECODE_STEP_OVERHEAD_S = 1.2e-3
 """Per decode step of the vLLM CPU build: scheduler, input preparation."""
-CPU_DECODE_TOKEN_OVERHEAD_S = 3e-4
-"""Per generated token on CPU: sampling, detokenization, streaming through router and orchestrator
-(1,024 tokens per step in ≈0.33 s in the tiny-cpu run)."""
+CPU_DECODE_TOKEN_OVERHEAD_S = 3e-5
+"""Per sequence in a CPU decode step, beyond its FLOPs: sampling, the sampled token's logprob, output
+processing."""
+CPU_ROLLOUT_OVERHEAD_S = 1.4e-4
+"""Per rollout on CPU, once: its request's set-up and prefill in the engine (45 us in vLLM alone), its
+stream through the API server and the router, the orchestrator's parse and reward (the rest of tiny-cpu's
+orchestrator step, 512 rollouts, beyond decoding and the weight reload)."""
 
 
 def per_kind(table: dict, kind: str):

@@ -51,7 +51,8 @@ def cpu_placement(recipe, profile) -> Placement:
 
 def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: float) -> dict:
     """Trainer step of a CPU run: a fixed cost per step and per micro-batch (what dominates a tiny model)
-    plus training FLOPs over the cores of the trainer nodes (what dominates a real one)."""
+    plus training FLOPs over the cores of the trainer nodes (what dominates a real one); on a local host
+    those the servers leave, as the local launcher gives them out."""
     from rlctl.trainer.plan import flops_per_token
 
     ranks = max(1, placement.trainer_ranks_per_node * placement.trainer_nodes)
@@ -59,6 +60,8 @@ def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: fl
     micro_batches = math.ceil(rows / ranks / max(1, recipe.trainer.micro_batch_size))
     flops = tokens * sum(flops_per_token(spec, mean_seq))
     cores = max(1, profile.cpus_per_node) * max(1, placement.trainer_nodes)
+    if profile.scheduler == "local":  # the servers share the host: the launcher leaves them a core each
+        cores = max(ranks, cores - placement.inference_servers)
     compute_s = flops / (cores * C.CPU_TRAIN_FLOPS_PER_CORE)
     overhead_s = C.CPU_TRAIN_STEP_OVERHEAD_S + micro_batches * C.CPU_TRAIN_MICROBATCH_OVERHEAD_S
     step = compute_s + overhead_s
@@ -70,7 +73,8 @@ def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: fl
 def cpu_rollout_time(spec, recipe, profile, placement, rollouts: int, mean: int, completion: int,
                      in_flight: int) -> dict:
     """Rollout step of a CPU run: decode steps (weights streamed from memory, GEMMs on the cores, a fixed
-    scheduler cost) times the waves the KV cache allows, a per-token serving cost, and prefill FLOPs."""
+    scheduler cost, a cost per sequence) times the waves the KV cache allows, then per rollout its prefill
+    FLOPs and a serving cost (request, stream, parse)."""
     from rlctl.inference.plan import kv_bytes_per_token_per_gpu, weight_bytes
 
     servers = max(1, placement.inference_servers)
@@ -88,7 +92,7 @@ def cpu_rollout_time(spec, recipe, profile, placement, rollouts: int, mean: int,
               + batch * flops_tok / (core_share * C.CPU_INFER_FLOPS_PER_CORE)
               + batch * C.CPU_DECODE_TOKEN_OVERHEAD_S)
     prompt = max(0, mean - completion)
-    prefill_s = rollouts * prompt * flops_tok / (cores * C.CPU_INFER_FLOPS_PER_CORE)
+    prefill_s = rollouts * (prompt * flops_tok / (cores * C.CPU_INFER_FLOPS_PER_CORE) + C.CPU_ROLLOUT_OVERHEAD_S)
     rollout_s = waves * completion * step_s + prefill_s
     return {"rollout_step_time_s": rollout_s, "decode_step_s": step_s, "concurrency": concurrency,
             "decode_tokens_per_s": concurrency / step_s, "prefill_s": prefill_s,

@@ -179,6 +179,29 @@ def test_cpu_plan_scales_with_model_size_and_batch():
     assert twice_t == pytest.approx(2 * big_t, rel=0.1) and twice_r > 1.5 * big_r
 
 
+# vLLM alone (offline, the server's settings) on a 2-core host, the tiny model: (sequences, tokens each,
+# seconds per batch). The built-in constants once charged 0.3 ms per sequence per decode step, fitted to
+# tiny-cpu's 2-token step: the plan then put 256 x 32 tokens at 2.9 s.
+VLLM_ALONE_TINY = [(64, 32, 0.126), (256, 8, 0.094), (256, 32, 0.340), (512, 32, 0.723)]
+
+
+@pytest.mark.parametrize("seqs,tokens,measured", VLLM_ALONE_TINY)
+def test_cpu_plan_decodes_like_vllm_alone(seqs, tokens, measured):
+    inf = plan(load_recipe([TINY], [f"orchestrator.rollouts_per_step={seqs}", f"orchestrator.max_tokens={tokens}",
+                                    f"orchestrator.max_in_flight={seqs}",
+                                    f"orchestrator.expected_mean_tokens={tokens + 3}"])).inference
+    assert inf["concurrency"] == seqs
+    assert tokens * inf["decode_step_s"] == pytest.approx(measured, rel=0.2)
+
+
+def test_cpu_trainer_gets_the_cores_the_local_servers_leave():
+    """On a 2-core local host one server keeps a core: a one-rank trainer computes on the other, two ranks
+    on one core each (the local launcher's OMP_NUM_THREADS)."""
+    one = plan(load_recipe([TINY], ["trainer.fsdp=1"])).trainer
+    two = plan(load_recipe([TINY])).trainer
+    assert one["compute_s"] == pytest.approx(2 * two["compute_s"])
+
+
 # ---- cost, lag, storage, warnings --------------------------------------------------------------
 
 def test_plan_reports_cost_lag_and_storage():
