@@ -31,6 +31,7 @@ from rlctl.launchers.env import (component_command, component_env, component_pop
 from rlctl.launchers.groups import JobGroup
 from rlctl.orchestrator.exchange.layout import RunDir
 from rlctl.orchestrator.exchange.files import FILE_MODE, atomic_write_json, private_dir
+from rlctl.orchestrator.exchange.placement import shared_host_trainer_threads
 
 # After TERM, seconds before KILL. Longer than a component's own bound for its servers
 # (rlctl.inference.__main__.SERVER_STOP_S), so a component stops them before it is killed itself.
@@ -80,13 +81,11 @@ def start_supervisor(run: RunDir, attempt: int, extra_env: dict | None = None) -
 
 
 def trainer_threads(groups: list[JobGroup], cpus: int | None = None) -> int:
-    """CPU threads per trainer rank when every task shares this host: the cores left after one per
-    inference server (its engine loop and API server keep about a core busy), split among the ranks.
-    Ranks that take every core fight the servers for them: on 2 cores a one-rank trainer with 2 threads
-    made the generation-heavy peer bench's trainer steps 0.79 s long, with 1 thread 0.24-0.28 s."""
-    cpus = cpus or os.cpu_count() or 1
+    """CPU threads per trainer rank on this host (`shared_host_trainer_threads`). Ranks that take every
+    core fight the servers for them: on 2 cores a one-rank trainer with 2 threads made the
+    generation-heavy peer bench's trainer steps 0.79 s long, with 1 thread 0.24-0.28 s."""
     count = {g.name: g.ntasks for g in groups}
-    return max(1, (cpus - count.get("inference", 0)) // max(1, count.get("trainer", 1)))
+    return shared_host_trainer_threads(cpus or os.cpu_count() or 1, count.get("inference", 0), count.get("trainer", 1))
 
 
 class Task:

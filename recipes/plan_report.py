@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import math
 
-from rlctl.orchestrator.exchange.placement import DEGREE_KEYS, Placement
+from rlctl.orchestrator.exchange.placement import DEGREE_KEYS, Placement, shared_host_trainer_threads
 from rlctl.recipes import calibration as C
 from rlctl.trainer.degrees import resolve_dims
 from rlctl.trainer.fp8 import check_fp8
@@ -61,7 +61,7 @@ def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: fl
     flops = tokens * sum(flops_per_token(spec, mean_seq))
     cores = max(1, profile.cpus_per_node) * max(1, placement.trainer_nodes)
     if profile.scheduler == "local":  # the servers share the host: the launcher leaves them a core each
-        cores = max(ranks, cores - placement.inference_servers)
+        cores = ranks * shared_host_trainer_threads(cores, placement.inference_servers, ranks)
     compute_s = flops / (cores * C.CPU_TRAIN_FLOPS_PER_CORE)
     overhead_s = C.CPU_TRAIN_STEP_OVERHEAD_S + micro_batches * C.CPU_TRAIN_MICROBATCH_OVERHEAD_S
     step = compute_s + overhead_s

@@ -13,6 +13,13 @@ DEGREE_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 """The trainer's parallel degrees, named as in `rlctl.trainer.degrees.ParallelDims`."""
 
 
+def shared_host_trainer_threads(cpus: int, servers: int, ranks: int) -> int:
+    """CPU threads per trainer rank when every task shares one host (the local launcher): the cores left
+    after one per inference server (its engine loop and API server keep about a core busy), split among
+    the ranks, at least one each. The planner counts the trainer's cores the same way."""
+    return max(1, (cpus - servers) // max(1, ranks))
+
+
 @dataclass(frozen=True)
 class Placement:
     """Node split and per-node process counts of one run."""
