@@ -6,6 +6,7 @@ import math
 import re
 
 from rlctl.recipes.base import SLURM_DURATION
+from rlctl.recipes.plan_report import cpu_groups
 from rlctl.recipes.plan_sync import sync_warning
 
 SLURM_TIME = re.compile(rf"^{SLURM_DURATION}$")
@@ -41,7 +42,9 @@ def cost(report, recipe, profile) -> dict:
     step = report.orchestrator.get("step_time_s")
     # the run's own groups: an attached run's inference group is the pool's (0 nodes of this run)
     nodes = sum(g.get("nodes", 0) for g in report.groups)
-    gpus = (pl.trainer_nodes + pl.inference_nodes) * profile.gpus_per_node
+    # a CPU run on a GPU cluster asks for no GPUs (gres: none is allocated); without gres it holds the nodes
+    held = 0 if cpu_groups(recipe) and profile.gres_gpu else profile.gpus_per_node
+    gpus = (pl.trainer_nodes + pl.inference_nodes) * held
     interval = recipe.checkpoint.interval
     ckpt_s = checkpoint_seconds(report.disk, pl.trainer_nodes, profile)
     out = {"gpus": gpus, "nodes": nodes, "max_steps": o.max_steps, "checkpoint_write_s": ckpt_s,
@@ -82,9 +85,9 @@ def off_policy(report, recipe) -> dict:
     return out
 
 
-def idle_gpus(report, profile) -> list[str]:
-    """GPUs a split allocates but no rank or server uses."""
-    if not profile.gpus_per_node:
+def idle_gpus(report, recipe, profile) -> list[str]:
+    """GPUs a split allocates but no rank or server uses (none in a CPU run, which uses none by choice)."""
+    if not profile.gpus_per_node or cpu_groups(recipe):
         return []
     notes, tr, inf = [], report.trainer, report.inference
     used = 1
@@ -111,7 +114,7 @@ def _fmt(seconds: float) -> str:
 
 
 def warnings(report, recipe, profile) -> list[str]:
-    out = idle_gpus(report, profile)
+    out = idle_gpus(report, recipe, profile)
     lag = report.off_policy
     bound = lag.get("max_off_policy_steps")
     # A rollout is dropped when its lag passes the bound (orchestrator/advantages.py `is_stale`): warn

@@ -234,6 +234,14 @@ def test_idle_gpus_are_warned():
     assert not any("idle (" in w for w in planned("qwen3-4b")["warnings"])
 
 
+def test_a_cpu_run_on_a_gpu_cluster_holds_no_gpus():
+    """Both groups at `gpus_per_node = 0` on a gres cluster: the job asks for no GPU, so none is counted
+    in its cost or warned about as idle."""
+    j = planned(TINY, str(REPO / "recipes" / "tiny-vslurm.toml"))
+    assert j["cost"]["gpus"] == 0 and j["cost"]["gpu_hours_per_run"] == 0 and j["cost"]["node_hours_per_run"] > 0
+    assert not any("idle (" in w for w in j["warnings"]), j["warnings"]
+
+
 def test_time_limit_shorter_than_a_step_and_a_checkpoint_is_warned():
     j = planned("qwen3-4b", "-o", 'deployment.time_limit="00:00:15"')
     assert any(w.startswith("deployment.time_limit=00:00:15 is shorter") for w in j["warnings"]), j["warnings"]
