@@ -1,26 +1,23 @@
 """Context parallelism: target shifting, sequence sharding, and Ulysses (cp = 2 on gloo) against one rank.
 
-The equivalence test runs two real ranks (this file as a script), each holding half of every
+The equivalence test runs two real ranks (spawned processes), each holding half of every
 sequence, and compares with the same model on one rank computed the way the trainer did before
 (`token_logprobs_and_entropy` on the whole row): loss, per-token logprobs and gradients.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rlctl.inference.server import free_port as _server_free_port
 from rlctl.recipes.errors import RecipeError
 from rlctl.trainer.context_parallel import (
     check_context_parallel, enable_ulysses, next_token_targets, shard_sequence,
 )
 from rlctl.trainer.loss import importance_ratio_loss, logprobs_of_labels, token_logprobs_and_entropy
+from trainer_fixtures import spawn_ranks
 
 LOSS_CFG = SimpleNamespace(mask_low=0.125, mask_high=8.0)
 # qwen3-kv2: kv heads divisible by cp; qwen3-kv1: the kv head is repeated before the exchange;
@@ -237,21 +234,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_ulysses_cp2_matches_one_rank(tmp_path):
-    world, port = 2, _server_free_port("127.0.0.1")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(tmp_path)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(world)
-    ]
-    try:
-        outs = [p.communicate(timeout=240)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    spawn_ranks(cp_rank_main, 2, str(tmp_path))
     got = torch.load(tmp_path / "cp.pt")
     for name in MODELS:
         ref, cp = reference(name.removesuffix("+fsdp")), got[name]
@@ -265,6 +248,3 @@ def test_ulysses_cp2_matches_one_rank(tmp_path):
         assert all(v <= REL_TOL for v in figures.values()), figures
         assert float(ref["loss"]) != 0.0 and all(g.abs().max() > 0 for g in ref["grads"].values())
 
-
-if __name__ == "__main__":
-    cp_rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
