@@ -92,10 +92,11 @@ def cpu_rollout_time(spec, recipe, profile, placement, rollouts: int, mean: int,
               + batch * flops_tok / (core_share * C.CPU_INFER_FLOPS_PER_CORE)
               + batch * C.CPU_DECODE_TOKEN_OVERHEAD_S)
     prompt = max(0, mean - completion)
-    prefill_s = rollouts * (prompt * flops_tok / (cores * C.CPU_INFER_FLOPS_PER_CORE) + C.CPU_ROLLOUT_OVERHEAD_S)
-    rollout_s = waves * completion * step_s + prefill_s
+    prefill_s = rollouts * prompt * flops_tok / (cores * C.CPU_INFER_FLOPS_PER_CORE)
+    serving_s = rollouts * C.CPU_ROLLOUT_OVERHEAD_S
+    rollout_s = waves * completion * step_s + prefill_s + serving_s
     return {"rollout_step_time_s": rollout_s, "decode_step_s": step_s, "concurrency": concurrency,
-            "decode_tokens_per_s": concurrency / step_s, "prefill_s": prefill_s,
+            "decode_tokens_per_s": concurrency / step_s, "prefill_s": prefill_s, "rollout_serving_s": serving_s,
             "max_concurrent_rollouts": servers * per_server}
 
 
