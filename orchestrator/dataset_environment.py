@@ -69,7 +69,7 @@ class DatasetEnvironment(Environment):
         if cfg.eval_path is not None:
             self.eval = load_rows(cfg, "eval_path")
         self.cursor = Cursor(len(self.train), self.seed, cfg.shuffle)
-        self.limit = limit
+        self.limit = limit if limit is not None else PromptLimit()
 
     @classmethod
     def from_recipe(cls, recipe, run) -> "DatasetEnvironment":
@@ -92,8 +92,6 @@ class DatasetEnvironment(Environment):
 
     def _fitting(self, row: Row, split: str) -> Prompt | None:
         """`row` rendered, or None when its prompt leaves no token of the servers' context."""
-        if self.limit is None:
-            return self.render(row, split)
         return self.limit.fitting((split, row.index), lambda: self.render(row, split),
                                   f"{split} row {row.index} of the dataset")
 

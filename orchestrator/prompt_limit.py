@@ -28,19 +28,20 @@ def load_tokenizer(model: str):
         return None
 
 
-def prompt_limit(template, directory: str, max_model_len: int) -> "PromptLimit | None":
+def prompt_limit(template, directory: str, max_model_len: int) -> "PromptLimit":
     """The check for prompts rendered by `template` (a ChatTemplate: its tokenizer) or sent as raw text
-    (the model's own tokenizer in `directory`); None when there is no tokenizer to count with."""
+    (the model's own tokenizer in `directory`); one that takes every prompt when there is no tokenizer."""
     tokenizer = template.tokenizer if template is not None else load_tokenizer(directory)
-    return PromptLimit(tokenizer, max_model_len) if tokenizer is not None else None
+    return PromptLimit(tokenizer, max_model_len)
 
 
 class PromptLimit:
     """`fitting(where, render, name)`: the prompt `render()` gives, or None when it leaves no token of the
     servers' context. `where` keys the prompt (a row, a task) and `name` says it in the log; a prompt
-    never changes, so one found too long is named once and neither rendered nor tokenized again."""
+    never changes, so one found too long is named once and neither rendered nor tokenized again. Without a
+    tokenizer (the default) nothing can be counted, and every prompt is taken."""
 
-    def __init__(self, tokenizer: Any, limit: int):
+    def __init__(self, tokenizer: Any = None, limit: int = 0):
         self.tokenizer, self.limit = tokenizer, limit
         self.too_long: set[Hashable] = set()
 
@@ -48,6 +49,8 @@ class PromptLimit:
         if where in self.too_long:
             return None
         prompt = render()
+        if self.tokenizer is None:
+            return prompt
         tokens = len(self.tokenizer(prompt.text)["input_ids"])  # as vLLM tokenizes a completion's prompt
         if tokens < self.limit:
             return prompt

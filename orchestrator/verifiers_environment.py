@@ -36,7 +36,7 @@ import random
 from typing import Any
 
 from rlctl.orchestrator.environments import Environment, Prompt
-from rlctl.orchestrator.prompt_limit import PromptLimit
+from rlctl.orchestrator.prompt_limit import PromptLimit, prompt_limit
 from rlctl.recipes.errors import RecipeError
 
 KEY = "orchestrator.environment.args"
@@ -123,7 +123,7 @@ class VerifiersEnvironment(Environment):
         self.task_type = type(self.tasks[0])
         self.chat_template = bool(chat_template)
         self.template = None  # the model's chat template, set by from_recipe (reward workers need none)
-        self.limit: PromptLimit | None = None  # the servers' context, set by from_recipe
+        self.limit = PromptLimit()  # the servers' context, set by from_recipe
         self._check_runnable(taskset)
 
     def _check_runnable(self, ref: str) -> None:
@@ -148,7 +148,6 @@ class VerifiersEnvironment(Environment):
         """Built by name, with the policy's chat template when `chat_template` is on, and the servers'
         context its prompts are checked against."""
         from rlctl.orchestrator.chat_template import ChatTemplate, model_dir
-        from rlctl.orchestrator.prompt_limit import prompt_limit
 
         env = cls(**recipe.orchestrator.environment.args)
         directory = model_dir(recipe, run)
@@ -181,12 +180,11 @@ class VerifiersEnvironment(Environment):
         another drawn (the same seed still draws the same tasks)."""
         prompts: list[Prompt] = []
         while len(prompts) < n:
-            if self.limit is not None and len(self.limit.too_long) == len(self.tasks):
+            if len(self.limit.too_long) == len(self.tasks):
                 raise self.limit.none_fit("task's")
             index = rng.randrange(len(self.tasks))
             task = self.tasks[index]
-            prompt = self.render(task) if self.limit is None else self.limit.fitting(
-                index, lambda: self.render(task), f"task {task.data.idx} of the task set")
+            prompt = self.limit.fitting(index, lambda: self.render(task), f"task {task.data.idx} of the task set")
             if prompt is not None:
                 prompts.append(prompt)
         return prompts

@@ -210,3 +210,14 @@ def test_rows_whose_prompt_fills_the_servers_context_are_skipped_and_named_once(
     with pytest.raises(RecipeError) as err:
         never.sample_prompts(random.Random(0), 1)
     assert err.value.key == "inference.max_model_len"
+
+
+def test_without_a_tokenizer_every_prompt_is_sent_and_the_log_says_so(tmp_path, caplog):
+    from rlctl.orchestrator.prompt_limit import prompt_limit
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab" * 400, "answer": "0"}])
+    (tmp_path / "model").mkdir()
+    with caplog.at_level("WARNING"):
+        env = DatasetEnvironment(dataset(path), 0, limit=prompt_limit(None, str(tmp_path / "model"), 8))
+    assert any("prompts are not checked against inference.max_model_len" in r.getMessage() for r in caplog.records)
+    assert [p.text for p in env.sample_prompts(random.Random(0), 2)] == ["ab" * 400] * 2
