@@ -79,5 +79,8 @@ class OrchestratorConfig(StrictModel):
         return self
 
     @property
-    def mean_tokens(self) -> int:
-        return self.expected_mean_tokens or max(1, self.max_tokens // 2)
+    def max_generated_tokens(self) -> int:
+        """Most tokens one rollout generates: `max_tokens` in each of its turns, within the trajectory's
+        budget (which the environment's replies share)."""
+        generated = self.max_tokens * self.max_turns
+        return min(generated, self.max_trajectory_tokens) if self.max_trajectory_tokens is not None else generated

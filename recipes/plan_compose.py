@@ -85,14 +85,17 @@ def _lora_targets(tr) -> tuple:
 
 
 def rollout_shape(o, max_model_len: int) -> tuple[int, int, str | None]:
-    """(mean tokens per rollout, mean completion tokens, a warning when assumed). Without
-    `expected_mean_tokens`, completions average half of max_tokens and prompts half the room that
-    max_model_len leaves them — never a prompt of 0 tokens, which would make prefill free."""
+    """(mean tokens per rollout, mean completion tokens, a warning when assumed). A multi-turn rollout
+    generates up to `max_tokens` in each of its `max_turns` turns (within `max_trajectory_tokens`); the
+    environment's replies count as prompt (prefilled, not decoded). Without `expected_mean_tokens`,
+    completions average half of what may be generated and prompts half the room that max_model_len
+    leaves them — never a prompt of 0 tokens, which would make prefill free."""
+    generated = o.max_generated_tokens
     if o.expected_mean_tokens:
         mean = min(o.expected_mean_tokens, max_model_len)
-        return mean, min(o.max_tokens, mean), None
-    completion = max(1, min(o.max_tokens, max_model_len) // 2)
-    prompt = max(1, (max_model_len - min(o.max_tokens, max_model_len)) // 2)
+        return mean, min(generated, mean), None
+    completion = max(1, min(generated, max_model_len) // 2)
+    prompt = max(1, (max_model_len - min(generated, max_model_len)) // 2)
     mean = min(max_model_len, prompt + completion)
     return mean, min(completion, mean), (
         f"orchestrator.expected_mean_tokens is not set: planning with {mean - min(completion, mean)}-token prompts "

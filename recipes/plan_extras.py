@@ -73,7 +73,7 @@ def off_policy(report, recipe) -> dict:
     dropped; with 0 (synchronous RL) the trainer waits for every rollout, so there is no lag."""
     o, inf = recipe.orchestrator, report.inference
     bound, step, tok_s = o.max_off_policy_steps, report.orchestrator.get("step_time_s"), _decode_step_s(report)
-    longest = min(o.max_tokens, recipe.inference.max_model_len)
+    longest = min(o.max_generated_tokens, recipe.inference.max_model_len)
     out = {"max_off_policy_steps": bound, "rollout_mean_s": None, "rollout_max_s": None,
            "lag_mean_steps": None, "lag_max_steps": None}
     if not step or tok_s is None:

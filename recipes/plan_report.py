@@ -74,7 +74,8 @@ def cpu_rollout_time(spec, recipe, profile, placement, rollouts: int, mean: int,
                      in_flight: int) -> dict:
     """Rollout step of a CPU run: decode steps (weights streamed from memory, GEMMs on the cores, a fixed
     scheduler cost, a cost per sequence) times the waves the KV cache allows, then per rollout its prefill
-    FLOPs and a serving cost (request, stream, parse)."""
+    FLOPs and, for each of its turns (`max_turns`, one per generated token at most), a serving cost
+    (request, stream, parse)."""
     from rlctl.inference.plan import kv_bytes_per_token_per_gpu, weight_bytes
 
     servers = max(1, placement.inference_servers)
@@ -93,7 +94,8 @@ def cpu_rollout_time(spec, recipe, profile, placement, rollouts: int, mean: int,
               + batch * C.CPU_DECODE_TOKEN_OVERHEAD_S)
     prompt = max(0, mean - completion)
     prefill_s = rollouts * prompt * flops_tok / (cores * C.CPU_INFER_FLOPS_PER_CORE)
-    serving_s = rollouts * C.CPU_ROLLOUT_OVERHEAD_S
+    turns = max(1, min(recipe.orchestrator.max_turns, completion))
+    serving_s = rollouts * turns * C.CPU_ROLLOUT_OVERHEAD_S
     rollout_s = waves * completion * step_s + prefill_s + serving_s
     return {"rollout_step_time_s": rollout_s, "decode_step_s": step_s, "concurrency": concurrency,
             "decode_tokens_per_s": concurrency / step_s, "prefill_s": prefill_s, "rollout_serving_s": serving_s,
