@@ -176,7 +176,7 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from rlctl.trainer.degrees import ParallelDims
-    from rlctl.trainer.parallel import build_mesh
+    from rlctl.trainer.parallel import build_mesh, gather_full
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -217,7 +217,7 @@ def cp_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         grads = {}
         for n, p in model.named_parameters():
             if fsdp:
-                grads[n] = p.grad.full_tensor()
+                grads[n] = gather_full(p.grad)
             else:
                 dist.all_reduce(p.grad, group=group)
                 grads[n] = p.grad

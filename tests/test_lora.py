@@ -122,7 +122,7 @@ def _gather_rank(rank: int, world: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rlctl.trainer.lora import gather_full
+    from rlctl.trainer.parallel import gather_full
 
     join_gloo(rank, world, port)
     torch.manual_seed(0)  # the same full tensors on every rank

@@ -10,6 +10,7 @@ import torch
 
 from rlctl.trainer.moe import (enable_grouped_experts, expert_load, grouped_linear, moe_blocks, replay_counts,
                                routing_replay)
+from rlctl.trainer.parallel import gather_full
 
 VOCAB = 64
 
@@ -100,7 +101,7 @@ def grads(model) -> dict:
     for name, p in model.named_parameters():
         g = p.grad
         plain = name.replace("._checkpoint_wrapped_module", "")  # as the unwrapped model names it
-        out[plain] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+        out[plain] = gather_full(g).clone()  # not full_tensor(): see gather_full
     return out
 
 

@@ -214,6 +214,7 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
     from transformers import AutoModelForCausalLM
 
     from rlctl.orchestrator.exchange.weights_fs import FilesystemWeightStore, read_weights, shard_files
+    from rlctl.trainer.parallel import gather_full
     from rlctl.trainer.sharded_load import build_meta_model, checkpoint_name, materialize_and_load
     from rlctl.trainer.weights import _ROUTES, ProcessGroupRanks, publish_buckets
 
@@ -228,7 +229,7 @@ def _equivalence_rank(rank, world, port, model_dir, layout):
         assert got.keys() == expected.keys(), got.keys() ^ expected.keys()
         assert any(isinstance(t, DTensor) for t in got.values())
         for name, tensor in got.items():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = gather_full(tensor)
             assert torch.equal(full, expected[name]), name
         torch.manual_seed(0)
         ids = torch.randint(0, ref.config.vocab_size, (2, 10))

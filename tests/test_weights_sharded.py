@@ -15,6 +15,7 @@ from trainer_fixtures import fsdp_random_model, spawn_ranks
 from rlctl.orchestrator.exchange.steps import MARKER
 from rlctl.orchestrator.exchange.weights_fs import (INDEX_FILE, FilesystemWeightStore, read_weights, shard_files,
                                                     write_safetensors)
+from rlctl.trainer.parallel import gather_full
 from rlctl.trainer.weights import _tiles, assign, serving_dtype
 
 TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
@@ -132,7 +133,7 @@ def _publish_rank(rank, world, port, out, dtype_name, bucket_bytes, report):
             Path(report, f"rank{rank}.json").write_text(json.dumps(
                 {"growth_mib": (peak - before) / 1024, "first_growth_mib": first_growth / 1024, "rss_before_mib": before / 1024, "publish_s": seconds,
                  "largest_fp32_mib": largest / 2**20}))
-        full = {n: p.full_tensor() for n, p in model.state_dict().items()} if report is None else {}
+        full = {n: gather_full(p) for n, p in model.state_dict().items()} if report is None else {}
         dist.barrier()  # rank 0 has sealed
         if rank == 0 and report is None:
             published = read_weights(step_dir)

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlctl.trainer.parallel import gather_full
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
@@ -111,36 +113,9 @@ def adapter_state(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         if not is_adapter_name(name):
             continue
-        full = gather_full(p.detach()).to("cpu", dtype or p.dtype).contiguous()
+        full = gather_full(p).to("cpu", dtype or p.dtype).contiguous()
         out[PEFT_PREFIX + checkpoint_name(name)] = full
     return out
-
-
-def gather_full(param) -> torch.Tensor:
-    """The whole tensor of an FSDP-sharded parameter, on every rank, by one blocking all-gather.
-
-    Not `DTensor.full_tensor()`: on gloo (torch 2.13) its functional all-gather corrupts the heap
-    now and then when the cores are busy (malloc aborts, SIGSEGV; see docs/trainer.md), and a LoRA
-    run gathers every adapter at every publish. FSDP's layout (dim 0 over one mesh dimension,
-    replicas elsewhere) needs nothing more general than this.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(param, DTensor):
-        return param
-    sharded = [(i, pl) for i, pl in enumerate(param.placements) if not pl.is_replicate()]
-    if len(sharded) != 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
-        return param.full_tensor()  # a layout FSDP does not make: DTensor's own gather
-    import torch.distributed as dist
-
-    group = param.device_mesh.get_group(sharded[0][0])
-    local, world, rows = param.to_local(), dist.get_world_size(group), param.shape[0]
-    per_rank = -(-rows // world)  # torch.chunk's split: the last ranks hold fewer rows, or none
-    padded = local.new_zeros((per_rank, *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    out = local.new_empty((per_rank * world, *local.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
-    return out[:rows]
 
 
 def adapter_config(lora, base_model: str, targets: list[str] | None = None) -> dict:

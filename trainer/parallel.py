@@ -141,3 +141,31 @@ def _ep_degree(param) -> int:
     """How many ep ranks split a (DTensor) expert parameter's expert dimension; 1 for a plain tensor."""
     mesh = getattr(param, "device_mesh", None)
     return mesh.size() if mesh is not None else 1
+
+
+def gather_full(param) -> "torch.Tensor":  # noqa: F821
+    """The whole tensor of an FSDP-sharded parameter, detached, on every rank, by one blocking all-gather.
+
+    Not `DTensor.full_tensor()`: on gloo (torch 2.13) its functional all-gather corrupts the heap
+    now and then when the cores are busy (malloc aborts, SIGSEGV; see docs/trainer.md), and a LoRA
+    run gathers every adapter at every publish (the tests gather with it too). FSDP's layout (dim 0
+    over one mesh dimension, replicas elsewhere) needs nothing more general than this.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    param = param.detach()
+    if not isinstance(param, DTensor):
+        return param
+    sharded = [(i, pl) for i, pl in enumerate(param.placements) if not pl.is_replicate()]
+    if len(sharded) != 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
+        return param.full_tensor()  # a layout FSDP does not make: DTensor's own gather
+    import torch.distributed as dist
+
+    group = param.device_mesh.get_group(sharded[0][0])
+    local, world, rows = param.to_local(), dist.get_world_size(group), param.shape[0]
+    per_rank = -(-rows // world)  # torch.chunk's split: the last ranks hold fewer rows, or none
+    padded = local.new_zeros((per_rank, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    out = local.new_empty((per_rank * world, *local.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    return out[:rows]
