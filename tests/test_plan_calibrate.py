@@ -206,7 +206,7 @@ def test_cpu_trainer_gets_the_cores_the_local_servers_leave():
 def test_each_turn_of_a_multi_turn_rollout_is_decoded_and_served():
     """tiny-tools-cpu: one token in each of 2 turns. Planned as one turn it was 0.175 s a step against
     0.30 measured; the second turn adds its decode step, its request, and its length to the lag."""
-    tools = "recipes/tiny-tools-cpu.toml"
+    tools = str(REPO / "recipes" / "tiny-tools-cpu.toml")
     one, two = (plan(load_recipe([tools], [f"orchestrator.max_turns={t}"])) for t in (1, 2))
     a, b = one.inference, two.inference
     assert (a["completion_tokens"], b["completion_tokens"]) == (1, 2)
