@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,18 @@ def _rank(rank: int, world: int, port: int, run_root: str, warmup: int, steps: i
     os._exit(0)  # as `python -m rlctl.trainer` does: skip the interpreter teardown that can SIGABRT
 
 
+def _first_result(results, procs, timeout_s: float) -> dict:
+    """Rank 0's result; a rank that failed (its traceback is on stderr) ends the wait at once."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"trainer ranks exited with {[p.exitcode for p in procs]}") from None
+    raise TimeoutError(f"no result from the trainer ranks in {timeout_s:.0f} s")
+
+
 def rlctl_step_times(run_root: Path, world: int, warmup: int, steps: int) -> dict:
     ctx = mp.get_context("spawn")  # a fresh interpreter per rank, as the launcher starts them
     results = ctx.Queue()
@@ -72,7 +85,7 @@ def rlctl_step_times(run_root: Path, world: int, warmup: int, steps: int) -> dic
     for p in procs:
         p.start()
     try:
-        out = results.get(timeout=300)
+        out = _first_result(results, procs, timeout_s=300)
     finally:
         for p in procs:
             p.join(60)

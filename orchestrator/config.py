@@ -40,7 +40,8 @@ class OrchestratorConfig(StrictModel):
     """Multi-turn environments: tokens after the prompt (generated + environment) at most; default max_turns × max_tokens."""
     expected_mean_tokens: Tokens | None = None
     """Expected mean tokens (prompt + completion) per rollout, used only by `rlctl plan`; default: half of
-    max_tokens for the completion plus half of the room max_model_len leaves for the prompt."""
+    what a rollout may generate (`max_generated_tokens`) for the completion plus half of the room
+    max_model_len leaves for the prompt."""
     normalize_advantages: bool = False
     """Divide group-relative advantages by the group's reward standard deviation (GRPO's scaling)."""
     max_off_policy_steps: Annotated[int, Field(ge=0, le=1 << 16)] = 1

@@ -158,15 +158,31 @@ communicator set-up over a hundred-odd ranks takes seconds."""
 # (1.2 ms + 39.5 us per sequence) + 45 us per sequence, within 15% from 64 sequences up. The trainer terms
 # and the per-rollout serving cost come from runs: tiny-cpu (2 ranks, 512 rollouts x 2 tokens) median
 # trainer step 0.084-0.093 s, orchestrator step 0.185 s; its generation-heavy variant (1 rank, 256 x 32
-# tokens, bench/bench_peer_trl.py) trainer step 0.23 s, step interval 0.37 s. Tiny models are
+# tokens, bench/bench_peer_trl.py) trainer step 0.23 s, step interval 0.37 s; the trainer terms were refitted
+# to runs at 1 and 2 ranks, 1-4 micro-batches, dense and MoE (the figures in their docstrings). Tiny models are
 # overhead-bound; the FLOP and byte terms take over for real models. `rlctl plan --calibrate RUN` refits
 # these to a finished run.
-CPU_TRAIN_FLOPS_PER_CORE = 35e9
-"""Achieved fp32 FLOP/s per core in FSDP2 forward + backward on CPU (AVX2/AVX-512 GEMMs, autograd)."""
-CPU_TRAIN_STEP_OVERHEAD_S = 0.03
-"""Per trainer step on CPU: optimizer step, gloo gradient reduce-scatter, batch read."""
-CPU_TRAIN_MICROBATCH_OVERHEAD_S = 0.03
-"""Per micro-batch on CPU: launching the forward/backward ops of a small model (Python, autograd)."""
+CPU_TRAIN_FLOPS_PER_CORE = 62e9
+"""Achieved fp32 FLOP/s per core in FSDP2 forward + backward on CPU (AVX2/AVX-512 GEMMs, autograd): the
+peer benchmark's compute-bound variant (a 25M-parameter model, 2 ranks, 4288 tokens) took 5.31 s a step."""
+CPU_TRAIN_TOKEN_OVERHEAD_S = 13e-6
+"""Per token per core on CPU, beyond its FLOPs: the small ops (norms, activations, softmax, the loss) that
+run far below the GEMM rate; what a tiny model's step is made of (one rank: tiny-cpu 0.068 s for 3072
+tokens, the generation-heavy variant 0.22 s for 8960) and negligible for a real one."""
+CPU_TRAIN_STEP_OVERHEAD_S = 0.05
+"""Per trainer step on CPU with several ranks: the gloo gradient reduce-scatter and the ranks waiting on
+each other on shared cores (tiny-cpu, 2 ranks: 0.094-0.113 s against one rank's 0.068 for twice the rows)."""
+CPU_TRAIN_MICROBATCH_OVERHEAD_S = 0.013
+"""Per micro-batch on CPU with several ranks: FSDP's all-gathers for its forward and backward (tiny-cpu,
+2 ranks: 0.138-0.142 s at 4 micro-batches, 0.094-0.113 at 1)."""
+CPU_TRAIN_MOE_LAYER_OVERHEAD_S = 0.005
+"""Per MoE layer per micro-batch on CPU, beyond a dense layer: routing (top-k, sort, the gather and
+scatter of the token copies) and the grouped experts' ops, forward and backward (tiny-moe-cpu at one rank,
+2 micro-batches: 0.087 s against the dense model's 0.068)."""
+CPU_TRAIN_MOE_LAYER_SHARDED_S = 0.014
+"""Per MoE layer per micro-batch on CPU with several ranks, on top: the experts' gathers (ep 1) or
+all-to-alls (ep 2), which cost about the same on one host (tiny-moe-cpu, 2 ranks: 0.139 s at ep 2, 0.132
+at ep 1; 0.202 at 2 micro-batches, 0.274-0.28 at 4)."""
 CPU_INFER_FLOPS_PER_CORE = 10e9
 """Achieved FLOP/s per core of the vLLM CPU build in prefill and decode GEMMs."""
 CPU_MEM_BYTES_PER_S = 20e9

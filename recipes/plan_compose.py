@@ -99,7 +99,8 @@ def rollout_shape(o, max_model_len: int) -> tuple[int, int, str | None]:
     mean = min(max_model_len, prompt + completion)
     return mean, min(completion, mean), (
         f"orchestrator.expected_mean_tokens is not set: planning with {mean - min(completion, mean)}-token prompts "
-        f"and {completion}-token completions (half of the room max_model_len and max_tokens give); set it")
+        f"and {completion}-token completions (half of what max_model_len leaves the prompt and half of what "
+        f"max_tokens × max_turns lets a rollout generate); set it")
 
 
 def _trainer_degrees(recipe, spec, world: int, gpn: int):

@@ -50,9 +50,10 @@ def cpu_placement(recipe, profile) -> Placement:
 
 
 def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: float) -> dict:
-    """Trainer step of a CPU run: a fixed cost per step and per micro-batch (what dominates a tiny model)
-    plus training FLOPs over the cores of the trainer nodes (what dominates a real one); on a local host
-    those the servers leave, as the local launcher gives them out."""
+    """Trainer step of a CPU run: training FLOPs over the cores of the trainer nodes (on a local host those
+    the servers leave, as the local launcher gives them out), plus fixed costs (what dominates a tiny
+    model): per micro-batch for each MoE layer, and with several ranks per step and per micro-batch for
+    their collectives."""
     from rlctl.trainer.plan import flops_per_token
 
     ranks = max(1, placement.trainer_ranks_per_node * placement.trainer_nodes)
@@ -62,8 +63,13 @@ def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: fl
     cores = max(1, profile.cpus_per_node) * max(1, placement.trainer_nodes)
     if profile.scheduler == "local":  # the servers share the host: the launcher leaves them a core each
         cores = ranks * shared_host_trainer_threads(cores, placement.inference_servers, ranks)
-    compute_s = flops / (cores * C.CPU_TRAIN_FLOPS_PER_CORE)
-    overhead_s = C.CPU_TRAIN_STEP_OVERHEAD_S + micro_batches * C.CPU_TRAIN_MICROBATCH_OVERHEAD_S
+    compute_s = (flops / C.CPU_TRAIN_FLOPS_PER_CORE + tokens * C.CPU_TRAIN_TOKEN_OVERHEAD_S) / cores
+    per_micro_batch = spec.moe_layers * C.CPU_TRAIN_MOE_LAYER_OVERHEAD_S
+    step_fixed = 0.0  # one rank: its fixed costs are within the FLOP rate's fit
+    if ranks > 1:  # gloo collectives: FSDP's gathers in every micro-batch, the gradients' reduce-scatter
+        step_fixed = C.CPU_TRAIN_STEP_OVERHEAD_S
+        per_micro_batch += C.CPU_TRAIN_MICROBATCH_OVERHEAD_S + spec.moe_layers * C.CPU_TRAIN_MOE_LAYER_SHARDED_S
+    overhead_s = step_fixed + micro_batches * per_micro_batch
     step = compute_s + overhead_s
     return {"step_time_s": step, "tokens_per_s": tokens / step, "compute_s": compute_s, "overhead_s": overhead_s,
             "micro_batches": micro_batches, "flops_per_token": flops / max(1, tokens),

@@ -25,12 +25,12 @@ def make_run(root: Path, overrides=(), model_cache: Path | None = None) -> RunDi
     recipe = load_recipe([str(RECIPE)], list(overrides))
     run.recipe_json.write_text(json.dumps(recipe.model_dump(mode="json")))
     if model_cache is not None:  # share one build across tests: copy the built files
-        src = build_tiny_model(model_cache, seed=recipe.model.build_seed)
+        src = build_tiny_model(model_cache, seed=recipe.model.build_seed, name=recipe.model.name)
         run.model.mkdir()
         for f in src.iterdir():
             (run.model / f.name).write_bytes(f.read_bytes())
     else:
-        build_tiny_model(run.model, seed=recipe.model.build_seed)
+        build_tiny_model(run.model, seed=recipe.model.build_seed, name=recipe.model.name)
     return run
 
 
