@@ -65,7 +65,7 @@ def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: fl
         cores = ranks * shared_host_trainer_threads(cores, placement.inference_servers, ranks)
     compute_s = (flops / C.CPU_TRAIN_FLOPS_PER_CORE + tokens * C.CPU_TRAIN_TOKEN_OVERHEAD_S) / cores
     per_micro_batch = spec.moe_layers * C.CPU_TRAIN_MOE_LAYER_OVERHEAD_S
-    step_fixed = 0.0  # one rank: its fixed costs are within the FLOP rate's fit
+    step_fixed = 0.0  # one rank: its fixed costs are within the per-token cost (fitted to one-rank runs)
     if ranks > 1:  # gloo collectives: FSDP's gathers in every micro-batch, the gradients' reduce-scatter
         step_fixed = C.CPU_TRAIN_STEP_OVERHEAD_S
         per_micro_batch += C.CPU_TRAIN_MICROBATCH_OVERHEAD_S + spec.moe_layers * C.CPU_TRAIN_MOE_LAYER_SHARDED_S
