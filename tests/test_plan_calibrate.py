@@ -207,10 +207,10 @@ def test_cpu_trainer_gets_the_cores_the_local_servers_leave():
 # seconds. The constants before these were fitted to tiny-cpu alone and planned tiny-moe-cpu at 0.088 s
 # (measured 0.139), tiny-cpu at one rank at 0.145 (0.068) and the compute-bound peer variant at 9.4 (5.31).
 MOE = str(REPO / "recipes" / "tiny-moe-cpu.toml")
-NO_REPLAY = ("trainer.ep=1", "trainer.router_replay=false")
+EP1_NO_REPLAY = ("trainer.ep=1", "trainer.router_replay=false")
 TRAINER_RUNS = [(TINY, (), 0.10), (TINY, ("trainer.micro_batch_size=64",), 0.14), (TINY, ("trainer.fsdp=1",), 0.068),
-                (MOE, (), 0.139), (MOE, NO_REPLAY, 0.132), (MOE, ("trainer.micro_batch_size=64",), 0.277),
-                (MOE, ("trainer.micro_batch_size=128",), 0.202), (MOE, ("trainer.fsdp=1", *NO_REPLAY), 0.087),
+                (MOE, (), 0.139), (MOE, EP1_NO_REPLAY, 0.132), (MOE, ("trainer.micro_batch_size=64",), 0.277),
+                (MOE, ("trainer.micro_batch_size=128",), 0.202), (MOE, ("trainer.fsdp=1", *EP1_NO_REPLAY), 0.087),
                 (str(REPO / "recipes" / "tiny-dataset-cpu.toml"), (), 0.091)]
 
 
