@@ -155,7 +155,7 @@ def _trainer(recipe, spec, profile, gpu, nodes: int, tokens: int, mean_seq: int,
         return None
     p = plan_trainer(spec, tr, gpus=world, gpus_per_node=gpn, gpu=gpu, seq_len=seq, tokens_per_step=tokens,
                      mean_seq=mean_seq, inter_gbps=profile.interconnect_gbps, intra_gbps=profile.intra_node_gbps,
-                     ep=ep, cp=cp, tp=tp, fsdp=fsdp)
+                     ep=ep, cp=cp, tp=tp, fsdp=fsdp, compiled=tr.compile)
     if not p.fits:
         better = next((c for c in cands if c > cp and mem(c) <= gpu.hbm_gib), None)
         msg = f"trainer needs {p.memory_gib_per_gpu:.0f} GiB/GPU at cp={cp} (GPU has {gpu.hbm_gib:.0f} GiB)"

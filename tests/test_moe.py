@@ -268,7 +268,7 @@ def test_expert_load_counts_routed_tokens_once_even_with_activation_checkpointin
 
 
 # ---- several ranks (gloo) ----------------------------------------------------------------------------
-def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpointing):
+def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpointing, compile_layers=False):
     import torch.distributed as dist
 
     from rlctl.trainer.degrees import ParallelDims
@@ -295,7 +295,8 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
 
         mesh = build_mesh(dims, torch.device("cpu"))
         apply_expert_parallel(model, mesh["ep"])
-        apply_fsdp(model, fsdp_mesh(mesh, dims), mesh["efsdp"], "float32", activation_checkpointing)
+        apply_fsdp(model, fsdp_mesh(mesh, dims), mesh["efsdp"], "float32", activation_checkpointing,
+                   compile_layers=compile_layers)
         dp_rank = mesh["dp"].get_local_rank()
         rows = torch.arange(dp_rank, ids.shape[0], dims.dp)
         with routing_replay(model, None if routed is None else routed[rows]):
@@ -317,6 +318,13 @@ def _rank_main(rank, world, port, family, dims_kw, replay, activation_checkpoint
         clipped, ref_clipped = grads(model), grads(ref)  # grads() names without the checkpoint wrapper
         for name, g in ref_clipped.items():
             assert_close(clipped[name], g, f"clipped {name}")
+        if compile_layers:  # the layers ran compiled graphs
+            from torch._dynamo.utils import counters
+
+            from rlctl.trainer.compiled_layers import is_compiled
+
+            assert all(is_compiled(layer) for layer in model.model.layers)
+            assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
         experts = moe_blocks(model)[0][1].experts.gate_up_proj
         n_experts, rows = experts.shape[:2]
         local = experts.to_local().shape
@@ -341,6 +349,13 @@ def test_fsdp4_ep2_with_router_replay_and_checkpointing_matches_one_rank():
     """(c)+(d) dp_shard 4 × ep 2: experts split 2× by EP and 2× by FSDP, shared experts and the dense
     layer 4× by FSDP; a replayed routing; activation checkpointing re-runs the all-to-alls."""
     _launch(4, "deepseek_v3", dict(dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2), True, True)
+
+
+def test_compiled_layers_with_ep2_router_replay_and_checkpointing_match_one_eager_rank():
+    """trainer.compile: each decoder layer compiled inside its activation checkpoint, then FSDP, on
+    ep = 2 with a replayed routing; the MoE block (all-to-alls, token counts, replay) runs eagerly
+    between the compiled pieces, and the result is the eager rank's."""
+    _launch(2, "qwen3_moe", dict(dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2), True, True, True, timeout=300)
 
 
 def test_fsdp4_ep2_with_fewer_local_experts_than_shard_ranks_matches_one_rank():

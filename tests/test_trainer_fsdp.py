@@ -59,7 +59,12 @@ def test_degrees_the_trainer_cannot_execute_are_refused_with_the_key():
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp_trains_publishes_and_matches_reference(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_two_rank_fsdp_trains_publishes_and_matches_reference(tmp_path, compiled):
+    """`compiled`: trainer.compile, each decoder layer through torch.compile inside FSDP and around the
+    activation checkpoint; it must learn the same weights and publish the same names."""
+    import re
+
     from transformers import AutoModelForCausalLM
 
     steps = 4
@@ -69,7 +74,7 @@ def test_two_rank_fsdp_trains_publishes_and_matches_reference(tmp_path):
                                       # pinned, not the recipe's tuned lr: Adam turns reduction-order noise in
                                       # near-zero gradients into O(lr) updates, so the tolerance is set for this lr
                                       "trainer.optimizer.lr=3e-3",
-                                      "trainer.activation_checkpointing=true"])
+                                      "trainer.activation_checkpointing=true", f"trainer.compile={str(compiled).lower()}"])
     batch = synthetic_batch(run.model, rows=16)  # 8 rows per rank -> 3 micro-batches, the last one short
     write_batches(run, batch, range(steps))
     procs = launch_ranks(run, 2)
@@ -86,6 +91,7 @@ def test_two_rank_fsdp_trains_publishes_and_matches_reference(tmp_path):
     log = (run.root / "trainer_rank0.log").read_text()
     assert codes == [0, 0], log[-3000:] + (run.root / "trainer_rank1.log").read_text()[-3000:]
     assert "DONE appeared" in log
+    assert bool(re.search(r"trainer\.compile: [1-9]\d* graph\(s\) compiled", log)) == compiled, log[-3000:]
 
     assert complete_steps(run.weights) == list(range(steps + 1))
     metrics = trainer_metrics(run)
@@ -104,8 +110,11 @@ def test_two_rank_fsdp_trains_publishes_and_matches_reference(tmp_path):
     assert set(got) == set(expected)
     initial = AutoModelForCausalLM.from_pretrained(str(run.weights / "step_0"), dtype=torch.float32).state_dict()
     built = AutoModelForCausalLM.from_pretrained(str(run.model), dtype=torch.float32).state_dict()
+    # inductor's fused kernels sum in another order than eager; after 4 Adam steps at this lr that left
+    # up to 4.3e-5 on one weight (eager: 1.2e-5), 1e-4 of how far the weights moved
+    atol = 1e-4 if compiled else 2e-5
     for name, tensor in expected.items():
-        assert torch.allclose(got[name], tensor, atol=2e-5, rtol=1e-4), name
+        assert torch.allclose(got[name], tensor, atol=atol, rtol=1e-4), name
         assert torch.equal(initial[name], built[name]), f"step_0 is not the initial weights: {name}"
     assert not torch.allclose(got["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
     # tied head: transformers re-ties it to the published embedding

@@ -13,7 +13,8 @@ The order is torchtitan's, and each step needs the one before it:
 4. **FP8** — swaps the remaining Linear layers for Float8Linear; after grouped experts (which would
    otherwise discard converted per-expert layers) and before FSDP (which must shard the Float8Linear
    weights, not the modules they replaced).
-5. **activation checkpointing + FSDP2** — wraps the decoder layers and shards every parameter: dense
+5. **activation checkpointing, compile, FSDP2** — wraps the decoder layers (checkpointing, then
+   `torch.compile` when `trainer.compile`; compiled_layers.py) and shards every parameter: dense
    ones over `fsdp` (dp_shard × cp), expert ones over `efsdp` ((dp_shard / ep) × cp), plus
    replication over `dp_replicate`.
 6. **load** (`load_from`) — materialises the local shards on the device and reads only this rank's
@@ -87,22 +88,24 @@ def _shard(model, mesh, dims, trainer_cfg):
     from rlctl.trainer.parallel import apply_fsdp, fsdp_mesh
 
     apply_fsdp(model, fsdp_mesh(mesh, dims), expert_fsdp_mesh(mesh, dims), trainer_cfg.dtype,
-               trainer_cfg.activation_checkpointing)
+               trainer_cfg.activation_checkpointing, compile_layers=getattr(trainer_cfg, "compile", False))
 
 
 def build_parallel_model(config_or_dir, dims, mesh, device, trainer_cfg, *, load_from=None):
     """This rank's model for the degrees `dims` (a ParallelDims) on the world `mesh`
-    (`parallel.build_mesh`): meta build → grouped experts + EP → CP → FP8 → AC + FSDP2 → load.
+    (`parallel.build_mesh`): meta build → grouped experts + EP → CP → FP8 → AC + compile + FSDP2 → load.
 
     `trainer_cfg` is the recipe's `[trainer]` (dtype, activation_checkpointing, fp8). With `load_from`
     (an HF model directory) the local shards are materialised on `device` and loaded; without it the
     parameters stay on the meta device. Raises RecipeError (one line, naming the key) for what the
-    trainer refuses: fp8 where it cannot run, cp the model's attention cannot split."""
+    trainer refuses: fp8 or compile where they cannot run, cp the model's attention cannot split."""
+    from rlctl.trainer.compiled_layers import check_compile
     from rlctl.trainer.context_parallel import check_context_parallel, enable_ulysses
     from rlctl.trainer.fp8 import apply_fp8, check_fp8
 
     config = load_hf_config(config_or_dir)
     check_fp8(trainer_cfg, device)  # refusals before any module is built
+    check_compile(trainer_cfg, device)
     check_context_parallel(config, dims.cp)
     model = build_meta_model(config, master_dtype(trainer_cfg))
     if is_moe_config(config):  # grouped experts always; split over `ep` when ep > 1

@@ -229,7 +229,9 @@ def enable_grouped_experts(model) -> int:
     models; idempotent). Returns the number of MoE blocks."""
     blocks = moe_blocks(model)
     for _, block in blocks:
-        block.forward = types.MethodType(moe_block_forward, block)
+        # Never traced by torch.compile (trainer.compile): the block keeps state between its forward and
+        # the recompute of activation checkpointing (`_in_backward`), which a traced graph would bake in.
+        block.forward = types.MethodType(torch.compiler.disable(moe_block_forward), block)
         block.experts.forward = types.MethodType(grouped_experts_forward, block.experts)
     return len(blocks)
 

@@ -89,8 +89,10 @@ def fsdp_mesh(mesh, dims: ParallelDims):
     return mesh["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else mesh["fsdp"]
 
 
-def apply_fsdp(model, dense_mesh, expert_mesh, dtype: str, activation_checkpointing: bool):
-    """Activation checkpointing (optional), then `fully_shard` each MoE block's experts over
+def apply_fsdp(model, dense_mesh, expert_mesh, dtype: str, activation_checkpointing: bool,
+               compile_layers: bool = False):
+    """torch.compile and activation checkpointing of each decoder layer (both optional; the compiled
+    layer inside its checkpoint: compiled_layers.py says why), then `fully_shard` each MoE block's experts over
     `expert_mesh` (torchtitan's layout: experts already split over `ep` are FSDP-sharded over the
     rest, `efsdp`), each decoder layer and the root over `dense_mesh`. `expert_mesh` None: experts are
     sharded with their layer.
@@ -110,11 +112,10 @@ def apply_fsdp(model, dense_mesh, expert_mesh, dtype: str, activation_checkpoint
 
     blocks = moe_blocks(model)
     layers = decoder_layers(model)
-    if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    if activation_checkpointing or compile_layers:
+        from rlctl.trainer.compiled_layers import wrap_layers
 
-        for i, layer in enumerate(list(layers)):
-            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        wrap_layers(layers, checkpoint=activation_checkpointing, compile=compile_layers)
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32, reduce_dtype=torch.float32
     )

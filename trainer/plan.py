@@ -201,8 +201,9 @@ def plan_trainer(spec, tr, *, gpus: int, gpus_per_node: int, gpu, seq_len: int, 
                  attention_kernel: str | None = None, gpu_kind: str | None = None,
                  balanced_routing: bool = False) -> TrainerPlan:
     """Size the trainer for fixed degrees (validated by the caller). fsdp None = all remaining GPUs.
-    `pp` (with its interleaving), `compiled`, `attention_kernel` and `balanced_routing` describe published runs the trainer itself does not run
-    (it has no pipeline stages and no torch.compile); recipes plan with the defaults."""
+    `compiled`: decoder layers through torch.compile (a recipe's `trainer.compile`). `pp` (with its
+    interleaving), `attention_kernel` and `balanced_routing` describe published runs the trainer itself
+    does not run (it has no pipeline stages); recipes plan with the defaults."""
     kind = gpu_kind or gpu.name
     kernel = attention_kernel or C.TRAINER_ATTENTION_KERNEL
     if spec.index_n_heads and not attention_kernel:  # DSA: dense attention under an explicit mask (no flash)

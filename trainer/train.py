@@ -167,6 +167,10 @@ class Trainer:
             t0 = time.perf_counter()
             metrics = self.train_step(batch)
             step_s = time.perf_counter() - t0
+            if step == self.start_step and self.cfg.compile:
+                from rlctl.trainer.compiled_layers import compile_summary
+
+                self.log(f"trainer.compile: {compile_summary()} in the first step ({step_s:.1f}s with the compile)")
             publish_s = self.publish(step + 1)
             if self.rank == 0:
                 record = TrainerStepRecord(

@@ -1,0 +1,67 @@
+"""`trainer.compile`: where the compile wrapper goes, what is refused, what the plan makes of it.
+
+The compiled trainer itself is checked against the textbook step in test_trainer_fsdp.py (2 ranks,
+activation checkpointing) and against one eager rank with experts over ep = 2 in test_moe.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from rlctl.recipes.errors import RecipeError
+from rlctl.recipes.load import load_recipe
+from rlctl.recipes.plan import plan
+from rlctl.trainer.compiled_layers import check_compile, compile_unavailable_reason, is_compiled, wrap_layers
+
+
+def _layers(n: int = 3) -> torch.nn.ModuleList:
+    return torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(n))
+
+
+def _names(layers) -> list[str]:
+    return [name.replace("_checkpoint_wrapped_module.", "") for name, _ in layers.named_parameters()]
+
+
+@pytest.mark.parametrize(("checkpoint", "compile"), [(True, True), (False, True), (True, False)])
+def test_each_layer_is_compiled_in_place_inside_its_checkpoint(checkpoint, compile):
+    """The compile adds no module (no `_orig_mod.` in the names that checkpoints and publishing use)."""
+    layers = _layers()
+    originals, names = list(layers), _names(layers)
+    wrap_layers(layers, checkpoint=checkpoint, compile=compile)
+    inner = [layer._checkpoint_wrapped_module if checkpoint else layer for layer in layers]
+    assert all(isinstance(layer, CheckpointWrapper) == checkpoint for layer in layers)
+    assert inner == originals and all(is_compiled(layer) == compile for layer in layers)
+    assert _names(layers) == names
+
+
+def test_a_compiled_layer_computes_what_the_eager_one_does():
+    layers = _layers(1)
+    x = torch.randn(5, 4)
+    expected = layers[0](x)
+    wrap_layers(layers, checkpoint=False, compile=True)
+    torch.testing.assert_close(layers[0](x), expected)
+    torch.testing.assert_close(layers[0](torch.cat([x, x])), torch.cat([expected, expected]))  # dynamic rows
+
+
+def test_refused_with_the_key_when_no_compiler_can_build_kernels(monkeypatch):
+    cfg = load_recipe(["recipes/tiny-cpu.toml"], ["trainer.compile=true"]).trainer
+    monkeypatch.setenv("CXX", "no-such-cxx-compiler")
+    with pytest.raises(RecipeError) as err:
+        check_compile(cfg, torch.device("cpu"))
+    assert str(err.value).startswith("trainer.compile: ") and "no-such-cxx-compiler" in str(err.value)
+    assert str(err.value).endswith("set trainer.compile = false") and "\n" not in str(err.value)
+    check_compile(load_recipe(["recipes/tiny-cpu.toml"]).trainer, torch.device("cpu"))  # off: nothing checked
+
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", "")
+    assert "none is on PATH" in compile_unavailable_reason("cpu")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    assert "triton" in compile_unavailable_reason("cuda")
+
+
+def test_the_plan_counts_a_compiled_step():
+    eager = plan(load_recipe(["recipes/qwen3-4b.toml"])).to_json()["trainer"]
+    compiled = plan(load_recipe(["recipes/qwen3-4b.toml"], ["trainer.compile=true"])).to_json()["trainer"]
+    assert compiled["compute_s"] < 0.95 * eager["compute_s"]
+    assert compiled["memory_gib_per_gpu"] == eager["memory_gib_per_gpu"]
