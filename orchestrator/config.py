@@ -39,9 +39,10 @@ class OrchestratorConfig(StrictModel):
     max_trajectory_tokens: Tokens | None = None
     """Multi-turn environments: tokens after the prompt (generated + environment) at most; default max_turns × max_tokens."""
     expected_mean_tokens: Tokens | None = None
-    """Expected mean tokens (prompt + completion) per rollout, used only by `rlctl plan`; default: half of
-    what a rollout may generate (`max_generated_tokens`) for the completion plus half of the room
-    max_model_len leaves for the prompt."""
+    """Expected mean tokens (prompt + completion) per rollout. `rlctl plan` plans with it (unset: half of
+    what a rollout may generate, `max_generated_tokens`, for the completion plus half of the room
+    max_model_len leaves for the prompt); `trainer.compile` warms up on rows of this length (unset:
+    half of max_model_len)."""
     normalize_advantages: bool = False
     """Divide group-relative advantages by the group's reward standard deviation (GRPO's scaling)."""
     max_off_policy_steps: Annotated[int, Field(ge=0, le=1 << 16)] = 1

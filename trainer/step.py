@@ -158,3 +158,28 @@ def replay_metrics(ctx: StepContext, positions) -> dict:
     real, replayed, differing = counts.tolist()
     return {"router_replay_coverage": replayed / max(real, 1.0),
             "router_replay_overrides": differing / max(replayed, 1.0)}
+
+
+def warm_up_compile(ctx: StepContext, length: int) -> None:
+    """trainer.compile: compile the layers before the first batch, while inference starts and generates
+    it. One forward and backward through the step's own path (micro-batch split, sequence sharding,
+    logprobs) over `micro_batch_size` rows per data-parallel rank of `length` dummy tokens; the
+    gradients are dropped, the RNG streams restored and MoE's expert-load counts reset, so the run
+    trains exactly as it would without it. `length` near the real rows' keeps the size hints inductor
+    guards on close to the batches', so they do not recompile."""
+    import torch
+
+    rows = ctx.cfg.micro_batch_size * ctx.dims.dp
+    ids = torch.arange(rows * length).reshape(rows, length) % ctx.model.config.get_text_config().vocab_size
+    ones = torch.ones(rows, length)
+    batch = {"input_ids": ids, "attention_mask": ones.long(), "loss_mask": ones, "inference_logprobs": 0 * ones,
+             "advantages": torch.zeros(rows)}
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        for mb in micro_batches(ctx, batch):
+            logprobs, _ = _forward_logprobs(ctx, mb)
+            (logprobs * mb["loss_mask"]).sum().backward()
+    ctx.model.zero_grad(set_to_none=True)
+    if ctx.moe:
+        from rlctl.trainer.moe import expert_load
+
+        expert_load(ctx.model, reset=True)

@@ -138,6 +138,18 @@ class Trainer:
             retain_weights(self.run, self.weight_files, self.recipe.weights.keep_last)
         return elapsed
 
+    def _warm_up_compile(self) -> None:
+        from rlctl.trainer.compiled_layers import compile_summary
+        from rlctl.trainer.step import warm_up_compile
+
+        # rows of about the batches' length: inductor's CPU kernels are guarded on power-of-two ranges of
+        # it, and a length in another range compiles once more when it first comes (5 s for the tiny model)
+        max_len = self.recipe.inference.max_model_len
+        length = min(max_len, self.recipe.orchestrator.expected_mean_tokens or max_len // 2)
+        t0 = time.perf_counter()
+        warm_up_compile(self.step_ctx, length)
+        self.log(f"trainer.compile: {compile_summary()} before the first batch, in {time.perf_counter() - t0:.1f}s")
+
     # ---- one step ------------------------------------------------------------------------
     def train_step(self, batch: dict) -> dict:
         from rlctl.trainer.step import train_step
@@ -152,6 +164,8 @@ class Trainer:
         self._beat(self.start_step)
         publish_s = self.publish(self.start_step)
         self.log(f"published weights/{step_dir_name(self.start_step)} in {publish_s:.3f}s")
+        if self.cfg.compile:  # while inference starts and generates the first batch
+            self._warm_up_compile()
         done = self.run.done
         ckpt = self.recipe.checkpoint
         for step in range(self.start_step, self.max_steps):
@@ -167,10 +181,6 @@ class Trainer:
             t0 = time.perf_counter()
             metrics = self.train_step(batch)
             step_s = time.perf_counter() - t0
-            if step == self.start_step and self.cfg.compile:
-                from rlctl.trainer.compiled_layers import compile_summary
-
-                self.log(f"trainer.compile: {compile_summary()} in the first step ({step_s:.1f}s with the compile)")
             publish_s = self.publish(step + 1)
             if self.rank == 0:
                 record = TrainerStepRecord(
