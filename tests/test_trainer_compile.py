@@ -65,3 +65,38 @@ def test_the_plan_counts_a_compiled_step():
     compiled = plan(load_recipe(["recipes/qwen3-4b.toml"], ["trainer.compile=true"])).to_json()["trainer"]
     assert compiled["compute_s"] < 0.95 * eager["compute_s"]
     assert compiled["memory_gib_per_gpu"] == eager["memory_gib_per_gpu"]
+
+
+def _warm_up_leaves_no_trace(rank, world, port, run_root):
+    """One rank of a tiny MoE trainer with trainer.compile: the warm-up compiles and changes nothing."""
+    import os
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from torch._dynamo.utils import counters
+
+    from rlctl.orchestrator.exchange.layout import RunDir
+    from rlctl.recipes.load import validate
+    from rlctl.trainer.moe import expert_load
+    from rlctl.trainer.step import warm_up_compile
+    from rlctl.trainer.train import Trainer
+
+    run = RunDir(run_root)
+    trainer = Trainer(run, validate(run.recipe_data()))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    rng = torch.get_rng_state()
+    warm_up_compile(trainer.step_ctx, 6)
+    assert counters["stats"]["unique_graphs"] > 0 and all(is_compiled(layer) for layer in trainer.model.model.layers)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+    assert expert_load(trainer.model).sum() == 0
+    assert not trainer.optimizer.state  # no optimizer step
+
+
+def test_the_compile_warm_up_leaves_weights_gradients_rng_and_expert_counts_as_they_were(tmp_path):
+    from trainer_fixtures import make_run, spawn_ranks
+
+    run = make_run(tmp_path / "run", ["model.name=tiny-qwen3-moe", "trainer.fsdp=1", "trainer.ep=1",
+                                      "trainer.compile=true", "trainer.activation_checkpointing=true"])
+    spawn_ranks(_warm_up_leaves_no_trace, 1, str(run.root), timeout=240)
