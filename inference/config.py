@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from rlctl.recipes.base import MAX_TOKENS, Degree, NodeCount, NonNegative, Positive, Seconds, StrictModel
+from rlctl.recipes.base import MAX_TOKENS, Degree, NodeCount, NonNegative, Seconds, StrictModel
 
 
 class DisaggregationConfig(StrictModel):
@@ -54,8 +54,9 @@ class InferenceConfig(StrictModel):
     """Maximum tokens per sequence (prompt + completion); also the trainer's sequence length."""
     gpu_memory_utilization: Annotated[float, Field(ge=0.05, le=0.99)] = 0.9
     """Fraction of GPU memory vLLM may use (weights + KV cache + activations)."""
-    kv_cache_gib_cpu: Positive = 1.0
-    """On CPU: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_gib_cpu: Annotated[float, Field(gt=0, le=65536)] = 1.0
+    """On CPU: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE), at most 65536 (64 TiB, more
+    than any node holds; a larger figure overflowed the plan's token count)."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile (faster start-up, slower decode)."""
     engine_stats: bool = True

@@ -284,7 +284,8 @@ def test_thousand_generated_inputs_plan_or_fail_in_one_line(tmp_path):
     print(f"fuzz outcomes: {dict(outcomes)}")
 
 
-@pytest.mark.parametrize("kind", ["deep-toml", "config-json-string", "huge-nodes", "nan-profile", "unwritable-clone"])
+@pytest.mark.parametrize("kind", ["deep-toml", "config-json-string", "huge-nodes", "nan-profile", "unwritable-clone",
+                                  "huge-cpu-kv-cache"])
 def test_end_to_end_exit_2_without_traceback(tmp_path, kind):
     recipe = tmp_path / "r.toml"
     recipe.write_text('[model]\nname = "qwen3-4b"\n')
@@ -299,6 +300,8 @@ def test_end_to_end_exit_2_without_traceback(tmp_path, kind):
         args += ["-o", f'model.name="{config}"']
     elif kind == "huge-nodes":
         profile.write_text("nodes: 100000000\ngpus_per_node: 8\ngpu: h200\n")
+    elif kind == "huge-cpu-kv-cache":  # its GiB in bytes overflowed to inf, and the plan's token count to NaN
+        args += ["-o", "inference.kv_cache_gib_cpu=1e300"]
     elif kind == "nan-profile":
         profile.write_text("nodes: 4\ngpus_per_node: 8\ngpu: h200\ninterconnect_gbps: .nan\n")
     else:
