@@ -13,8 +13,8 @@ The order is torchtitan's, and each step needs the one before it:
 4. **FP8** — swaps the remaining Linear layers for Float8Linear; after grouped experts (which would
    otherwise discard converted per-expert layers) and before FSDP (which must shard the Float8Linear
    weights, not the modules they replaced).
-5. **activation checkpointing, compile, FSDP2** — wraps the decoder layers (checkpointing, then
-   `torch.compile` when `trainer.compile`; compiled_layers.py) and shards every parameter: dense
+5. **compile, activation checkpointing, FSDP2** — wraps the decoder layers (each compiled in place
+   when `trainer.compile`, inside its checkpoint; compiled_layers.py) and shards every parameter: dense
    ones over `fsdp` (dp_shard × cp), expert ones over `efsdp` ((dp_shard / ep) × cp), plus
    replication over `dp_replicate`.
 6. **load** (`load_from`) — materialises the local shards on the device and reads only this rank's
@@ -93,7 +93,7 @@ def _shard(model, mesh, dims, trainer_cfg):
 
 def build_parallel_model(config_or_dir, dims, mesh, device, trainer_cfg, *, load_from=None):
     """This rank's model for the degrees `dims` (a ParallelDims) on the world `mesh`
-    (`parallel.build_mesh`): meta build → grouped experts + EP → CP → FP8 → AC + compile + FSDP2 → load.
+    (`parallel.build_mesh`): meta build → grouped experts + EP → CP → FP8 → compile + AC + FSDP2 → load.
 
     `trainer_cfg` is the recipe's `[trainer]` (dtype, activation_checkpointing, fp8). With `load_from`
     (an HF model directory) the local shards are materialised on `device` and loaded; without it the

@@ -164,9 +164,9 @@ def warm_up_compile(ctx: StepContext, length: int) -> None:
     """trainer.compile: compile the layers before the first batch, while inference starts and generates
     it. One forward and backward through the step's own path (micro-batch split, sequence sharding,
     logprobs) over `micro_batch_size` rows per data-parallel rank of `length` dummy tokens; the
-    gradients are dropped, the RNG streams restored and MoE's expert-load counts reset, so the run
-    trains exactly as it would without it. `length` near the real rows' keeps the size hints inductor
-    guards on close to the batches', so they do not recompile."""
+    gradients are dropped, the RNG streams restored and MoE's expert-load counts reset: weights,
+    optimizer and sampling are left as they were. `length` near the real rows' keeps the size hints
+    inductor guards on close to the batches', so they do not recompile."""
     import torch
 
     rows = ctx.cfg.micro_batch_size * ctx.dims.dp
