@@ -269,7 +269,8 @@ def test_vllms_server_runs_its_gc_at_the_larger_threshold(monkeypatch, gc_thresh
     from rlctl.inference import vllm_main
     from rlctl.inference.processes import GC_YOUNG_THRESHOLD
 
-    for change in ("load_adapters_in_place_once", "logprobs_without_token_strings", "stream_events_joined"):
+    for change in ("load_adapters_in_place_once", "logprobs_without_token_strings", "sampled_logprobs_only",
+                   "stream_events_joined"):
         monkeypatch.setattr(vllm_main, change, lambda: True)  # this test process keeps vLLM's own classes
     gc.set_threshold(700, 10, 10)
     vllm_main.patch_vllm()

@@ -267,6 +267,9 @@ def test_completions_through_router(server, tmp_path):
             async with InferenceClient(router.url, run.api_key()) as via, InferenceClient(router.url, "wrong") as bad:
                 resp = await via.complete("abc", max_tokens=6, n=4, temperature=1.0, cache_salt=policy_cache_salt(1),
                                           extra={"ignore_eos": True})
+                # without rlctl's xarg vLLM answers as it does: token ids in place of the logprobs' strings
+                plain = await via.complete("abc", max_tokens=3, extra={"ignore_eos": True, "vllm_xargs": {}})
+                assert [t.startswith("token_id:") for t in plain["choices"][0]["logprobs"]["tokens"]] == [True] * 3
                 with pytest.raises(InferenceError, match="401"):
                     await bad.complete("abc", max_tokens=2)
                 # the router forwards `vllm_xargs` (the token-id logprobs xarg rides on it): vLLM refuses this one
@@ -280,8 +283,9 @@ def test_completions_through_router(server, tmp_path):
                 return resp
 
         resp = asyncio.run(go())
-        # token ids stand in for the logprobs' token strings; the text is still detokenised
-        assert all(t.startswith("token_id:") for c in resp["choices"] for t in c["logprobs"]["tokens"])
+        # rlctl's requests get the sampled tokens' logprobs alone; the text is still detokenised
+        # (a whole response also names vLLM's other fields, empty)
+        assert all(not c["logprobs"].get(k) for c in resp["choices"] for k in ("tokens", "top_logprobs", "text_offset"))
         assert any(c["text"] for c in resp["choices"])
         samples = parse_samples(resp)
         assert len(samples) == 4

@@ -252,19 +252,79 @@ def test_logprobs_of_requests_naming_the_xarg_are_kept_without_token_strings(mon
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
     from rlctl.inference.client import SAMPLED_LOGPROBS
-    from rlctl.inference.vllm_main import TOKEN_ID_LOGPROBS_XARG, logprobs_without_token_strings
+    from rlctl.inference.vllm_main import (TOKEN_ID_LOGPROBS_XARG, append_sampled_logprobs, logprobs_without_token_strings,
+                                          sampled_logprobs_class)
 
     monkeypatch.setattr(LogprobsProcessor, "from_new_request", LogprobsProcessor.__dict__["from_new_request"])
     assert logprobs_without_token_strings()
     tokenizer = object()
 
-    def processor(xargs):
-        request = SimpleNamespace(sampling_params=SamplingParams(logprobs=0, extra_args=xargs))
+    def processor(xargs, logprobs=0):
+        request = SimpleNamespace(sampling_params=SamplingParams(logprobs=logprobs, extra_args=xargs))
         return LogprobsProcessor.from_new_request(tokenizer=tokenizer, request=request)
 
-    assert processor(dict(SAMPLED_LOGPROBS["vllm_xargs"])).tokenizer is None
-    assert processor(None).tokenizer is tokenizer and processor({"other": 1}).tokenizer is tokenizer
+    ours = processor(dict(SAMPLED_LOGPROBS["vllm_xargs"]))
+    assert ours.tokenizer is None and isinstance(ours.logprobs, sampled_logprobs_class())
+    assert ours._update_sample_logprobs.__func__ is append_sampled_logprobs  # only the sampled tokens' asked for
+    assert "_update_sample_logprobs" not in vars(processor(dict(SAMPLED_LOGPROBS["vllm_xargs"]), logprobs=2))
+    for other in (processor(None), processor({"other": 1})):
+        assert other.tokenizer is tokenizer and type(other.logprobs) is list  # vLLM's own container
     assert SAMPLED_LOGPROBS["return_tokens_as_token_ids"] and TOKEN_ID_LOGPROBS_XARG in SAMPLED_LOGPROBS["vllm_xargs"]
+
+
+def test_sampled_logprobs_are_appended_as_vllm_appends_them():
+    """The list-at-a-time append of a `logprobs = 0` request gives the container, positions and cumulative
+    logprob vLLM's own per-position loop gives, for one new token or several, whatever the batch's width."""
+    import numpy as np
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    from rlctl.inference.vllm_main import append_sampled_logprobs, sampled_logprobs_class
+
+    rng = np.random.default_rng(0)
+    ids, values = rng.integers(0, 64, (7, 3)).astype(np.int32), -rng.random((7, 3)).astype(np.float32)
+    batch = LogprobsLists(ids, values, rng.integers(1, 9, 7).astype(np.int32))
+    theirs, ours = (LogprobsProcessor(tokenizer=None, logprobs=sampled_logprobs_class()(), prompt_logprobs=None,
+                                      cumulative_logprob=0.0, num_logprobs=0, num_prompt_logprobs=None)
+                    for _ in range(2))
+    for start, n in ((0, 1), (1, 1), (2, 4), (6, 1)):
+        part = batch.slice_request(start, n)
+        theirs._update_sample_logprobs(part)
+        append_sampled_logprobs(ours, part)
+    assert ours.logprobs == theirs.logprobs and len(ours.logprobs) == 7
+    assert ours.cumulative_logprob == theirs.cumulative_logprob
+    assert ours.logprobs[3:5].logprobs == [float(v) for v in values[3:5, 0]]
+
+
+def test_completions_of_requests_naming_the_xarg_carry_the_sampled_logprobs_alone(monkeypatch):
+    """With the entry's change, a completion chunk of an rlctl request (its logprobs in the marked
+    container) has `token_logprobs` only, equal to what vLLM puts there; vLLM's own logprobs are answered
+    as before, and so is a marked container when top logprobs were asked for."""
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.logprobs import Logprob
+
+    from rlctl.inference.vllm_main import sampled_logprobs_class, sampled_logprobs_only
+
+    create = OpenAIServingCompletion.__dict__["_create_completion_logprobs"]
+    monkeypatch.setattr(OpenAIServingCompletion, "_create_completion_logprobs", create)
+    serving = object.__new__(OpenAIServingCompletion)
+    serving.return_tokens_as_token_ids = True
+    ids, values = [5, 9, 5, 7], [-0.5, -1.25, float("-inf"), -2.0]
+    marked = sampled_logprobs_class()()
+    for token, value in zip(ids, values):
+        marked.append({token: Logprob(logprob=value, rank=1)})
+    dicts = [{t: Logprob(logprob=v, rank=1)} for t, v in zip(ids, values)]
+    kwargs = dict(num_output_top_logprobs=0, tokenizer=None, return_as_token_id=True)
+    full = create(serving, token_ids=ids[1:], top_logprobs=dicts[1:], **kwargs)
+    assert sampled_logprobs_only()
+    patched = OpenAIServingCompletion._create_completion_logprobs
+    lean = patched(serving, token_ids=ids[1:], top_logprobs=marked[1:], **kwargs)  # a stream's later chunk
+    assert lean.model_dump(exclude_unset=True) == {"token_logprobs": full.token_logprobs}
+    assert full.token_logprobs == [-1.25, -9999.0, -2.0] and full.tokens
+    assert patched(serving, token_ids=ids, top_logprobs=dicts, **kwargs) == create(serving, token_ids=ids,
+                                                                                    top_logprobs=dicts, **kwargs)
+    top1 = {**kwargs, "num_output_top_logprobs": 1}
+    assert patched(serving, token_ids=ids, top_logprobs=marked, **top1).tokens == [f"token_id:{t}" for t in ids]
 
 
 def test_cpu_tensor_parallel_workers_get_a_share_of_the_cores_each_unless_the_user_says(tmp_path, monkeypatch):
