@@ -18,7 +18,8 @@ async def raise_for_status(resp) -> None:
 async def streamed_choices(resp, policy, logprobs: bool = True) -> AsyncIterator[tuple[dict, int, list[int], list[float]]]:
     """(choice, policy version when it arrived, its token ids, their logprobs) for every choice of every
     chunk. ValueError when the server reports an error in the stream, a chunk's logprobs do not match
-    its tokens (`logprobs` asked for), or the stream ends without `[DONE]` (a partial response)."""
+    its tokens (`logprobs` asked for), or the stream ends without `[DONE]` (a partial response). After
+    `[DONE]` the body is read to its end, so that the connection goes back to the session's pool."""
     await raise_for_status(resp)
     async for raw in resp.content:
         line = raw.strip()
@@ -26,6 +27,10 @@ async def streamed_choices(resp, policy, logprobs: bool = True) -> AsyncIterator
             continue
         data = line[5:].strip()
         if data == b"[DONE]":
+            # Read the body to its end (the chunked encoding's last, empty chunk often comes in a later
+            # packet): aiohttp closes a connection whose response was left unread instead of pooling it,
+            # and the next request then pays a new connection to the router (and leaves a TIME_WAIT socket).
+            await resp.content.read()
             return
         chunk = json.loads(data)
         if "error" in chunk:
