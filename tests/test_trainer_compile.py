@@ -71,8 +71,9 @@ def _warm_up_leaves_no_trace(rank, world, port, run_root):
     """One rank of a tiny MoE trainer with trainer.compile: the warm-up compiles and changes nothing."""
     import os
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    # the environment torchrun gives a rank on one node; the Trainer joins the group from it
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from torch._dynamo.utils import counters
 
     from rlctl.orchestrator.exchange.layout import RunDir
