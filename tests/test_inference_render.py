@@ -292,6 +292,8 @@ def test_sampled_logprobs_are_appended_as_vllm_appends_them():
         theirs._update_sample_logprobs(part)
         append_sampled_logprobs(ours, part)
     assert ours.logprobs == theirs.logprobs and len(ours.logprobs) == 7
+    assert all(type(v) is float for v in ours.logprobs.logprobs)  # Python numbers, as vLLM's, not numpy's
+    assert all(type(v) is int for v in ours.logprobs.token_ids + ours.logprobs.ranks)
     assert ours.cumulative_logprob == theirs.cumulative_logprob
     assert ours.logprobs[3:5].logprobs == [float(v) for v in values[3:5, 0]]
 
