@@ -51,9 +51,9 @@ def cpu_placement(recipe, profile) -> Placement:
 
 def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: float) -> dict:
     """Trainer step of a CPU run: training FLOPs over the cores of the trainer nodes (on a local host those
-    the servers leave, as the local launcher gives them out), plus fixed costs (what dominates a tiny
-    model): per micro-batch for each MoE layer, and with several ranks per step and per micro-batch for
-    their collectives."""
+    the servers leave, as the local launcher gives them out) and the small ops of each token (fewer with
+    `trainer.compile`), plus fixed costs (what dominates a tiny model): per micro-batch for each MoE layer,
+    and with several ranks per step and per micro-batch for their collectives."""
     from rlctl.trainer.plan import flops_per_token
 
     ranks = max(1, placement.trainer_ranks_per_node * placement.trainer_nodes)
@@ -63,7 +63,8 @@ def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: fl
     cores = max(1, profile.cpus_per_node) * max(1, placement.trainer_nodes)
     if profile.scheduler == "local":  # the servers share the host: the launcher leaves them a core each
         cores = ranks * shared_host_trainer_threads(cores, placement.inference_servers, ranks)
-    compute_s = (flops / C.CPU_TRAIN_FLOPS_PER_CORE + tokens * C.CPU_TRAIN_TOKEN_OVERHEAD_S) / cores
+    token_s = C.CPU_TRAIN_TOKEN_OVERHEAD_S * (C.CPU_TRAIN_COMPILED_TOKEN_SHARE if recipe.trainer.compile else 1.0)
+    compute_s = (flops / C.CPU_TRAIN_FLOPS_PER_CORE + tokens * token_s) / cores
     per_micro_batch = spec.moe_layers * C.CPU_TRAIN_MOE_LAYER_OVERHEAD_S
     step_fixed = 0.0  # one rank: its fixed costs are within the per-token cost (fitted to one-rank runs)
     if ranks > 1:  # gloo collectives: FSDP's gathers in every micro-batch, the gradients' reduce-scatter
