@@ -7,6 +7,7 @@ import math
 
 from rlctl.orchestrator.exchange.placement import DEGREE_KEYS, Placement, shared_host_trainer_threads
 from rlctl.recipes import calibration as C
+from rlctl.trainer.compiled_layers import check_compile
 from rlctl.trainer.degrees import resolve_dims
 from rlctl.trainer.fp8 import check_fp8
 
@@ -36,6 +37,8 @@ def cpu_placement(recipe, profile) -> Placement:
     the trainer degrees the trainer will run with (refused here, naming the key, when it cannot)."""
     tr, dep = recipe.trainer, recipe.deployment
     check_fp8(tr, "cpu")
+    if profile.scheduler == "local":  # this host runs the trainer: refused now, not after vLLM has started
+        check_compile(tr, "cpu")
     # fsdp 'auto' on CPU: as many shard ranks as the expert degree needs (ep borrows from them), else 1
     shard = _int_or(tr.fsdp, _int_or(tr.ep, 1))
     ranks = shard * _int_or(tr.cp, 1) * _int_or(tr.tp, 1)

@@ -101,3 +101,21 @@ def test_the_compile_warm_up_leaves_weights_gradients_rng_and_expert_counts_as_t
     run = make_run(tmp_path / "run", ["model.name=tiny-qwen3-moe", "trainer.fsdp=1", "trainer.ep=1",
                                       "trainer.compile=true", "trainer.activation_checkpointing=true"])
     spawn_ranks(_warm_up_leaves_no_trace, 1, str(run.root), timeout=240)
+
+
+def test_plan_and_launch_refuse_a_local_compile_this_host_cannot_build(monkeypatch, tmp_path):
+    """On the local scheduler the host that plans is the one that trains: no compiler is one line, exit 2,
+    before any process starts."""
+    from typer.testing import CliRunner
+
+    from rlctl.cli.main import app
+
+    monkeypatch.setenv("CXX", "no-such-cxx-compiler")
+    launch = ["launch", "recipes/tiny-cpu.toml", "-o", f"deployment.output_dir={tmp_path}"]
+    for args in (["plan", "recipes/tiny-cpu.toml"], launch):
+        result = CliRunner().invoke(app, [*args, "-o", "trainer.compile=true"])
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "trainer.compile" in lines[0] and "no-such-cxx-compiler" in lines[0], result.output
+    assert not any(tmp_path.iterdir())  # no run directory
+    assert CliRunner().invoke(app, ["plan", "recipes/tiny-cpu.toml"]).exit_code == 0  # off: nothing checked
