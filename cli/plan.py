@@ -46,11 +46,13 @@ def register(app: typer.Typer) -> None:
 
 def _plan(recipe, cluster, override, as_json, calibrate, calibration_out, calibration) -> None:
     from rlctl.recipes.clusters import load_profile
+    from rlctl.recipes.input_checks import check_inputs
     from rlctl.recipes.load import load_recipe
     from rlctl.recipes.plan import plan
 
     overrides = list(override) + ([f'cluster.profile="{cluster}"'] if cluster else [])
     rec = load_recipe(recipe, overrides)
+    check_inputs(rec)  # what `rlctl launch` would refuse, the plan refuses too
     profile = load_profile(rec.cluster.profile)
     if calibration is not None:
         from rlctl.recipes.run_calibration import load_calibration

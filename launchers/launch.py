@@ -82,14 +82,9 @@ def load_for_launch(refs, overrides=(), cluster: str | None = None):
     local_model = Path(recipe.model.name).expanduser()
     if not local_model.is_absolute() and local_model.exists():
         recipe.model.name = str(local_model.resolve())
-    from rlctl.orchestrator.datasets import check_dataset
-    from rlctl.orchestrator.references import check_code_references
+    from rlctl.recipes.input_checks import check_inputs
 
-    check_dataset(recipe.orchestrator)  # bad paths or columns fail here (exit 2); paths travel absolute
-    check_code_references(recipe.orchestrator)  # so do an unknown environment or reward function
-    from rlctl.trainer.lora_config import check_launchable
-
-    check_launchable(recipe)
+    check_inputs(recipe)  # dataset, environment and reward code, LoRA limits: exit 2, as `rlctl plan`
     pool = None
     if recipe.deployment.inference_pool:  # `auto` nodes are sized against the pool's servers, as `rlctl plan` does
         from rlctl.launchers.pool_lookup import pool_for_plan

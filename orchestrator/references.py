@@ -14,14 +14,14 @@ def check_code_references(orch) -> None:
     cheap environments are built, `verifiers` (whose task set is user code) has them bound to its
     constructor, a built-in reward is loaded as the orchestrator loads it. The dataset itself is
     checked by `check_dataset`."""
-    from rlctl.orchestrator.dataset_environment import check_dataset_environment_args
     from rlctl.orchestrator.environments import (BUILTINS, MULTI_TURN_BUILTINS, check_environment_args,
                                                  load_environment, unknown_environment)
     from rlctl.orchestrator.reward_config import BUILTIN_REWARDS, unknown_reward
-    from rlctl.orchestrator.rewards import load_reward
 
     name, args = orch.environment.name, orch.environment.args
     if name == "dataset":
+        from rlctl.orchestrator.dataset_environment import check_dataset_environment_args
+
         check_dataset_environment_args(args)
     elif name == "verifiers":
         check_environment_args(name, args)
@@ -31,6 +31,8 @@ def check_code_references(orch) -> None:
         _check_module_ref(name, unknown_environment(name))
     function = orch.reward.function
     if function in BUILTIN_REWARDS:
+        from rlctl.orchestrator.rewards import load_reward  # asyncio and multiprocessing: only when needed
+
         load_reward(orch.reward)
     elif function is not None:  # user code is found, not imported (see the module docstring)
         _check_module_ref(function, unknown_reward(function))

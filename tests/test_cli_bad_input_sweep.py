@@ -168,7 +168,8 @@ def test_an_unusable_output_folder_names_the_setting_it_came_from(tmp_path, monk
     assert not_a_folder.read_text() == "x" and not (tmp_path / "unused").exists()
 
 
-# ---- code a recipe names: found at launch, before anything starts ---------------------------------
+# ---- code a recipe names: found at launch, before anything starts, and by the plan ----------------
+@pytest.mark.parametrize("command", ["launch", "plan"])
 @pytest.mark.parametrize("override,expect", [
     ("orchestrator.environment.name=nosuchenv", "orchestrator.environment.name: unknown environment 'nosuchenv'"),
     ("orchestrator.environment.name=no_such_module:Env",
@@ -178,18 +179,35 @@ def test_an_unusable_output_folder_names_the_setting_it_came_from(tmp_path, monk
     ("orchestrator.reward.function=no_such_module:score",
      "orchestrator.reward.function: cannot import module 'no_such_module'"),
 ])
-def test_launch_refuses_code_references_it_cannot_find(override, expect, tmp_path, monkeypatch):
+def test_launch_and_plan_refuse_code_references_they_cannot_find(command, override, expect, tmp_path, monkeypatch):
+    """A plan that passes is one launch accepts: a CI script gating a launch on the plan hears of it there."""
     monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
-    _one_line_2(["launch", "tiny-cpu", "--dry-run", "-o", override], expect)
+    _one_line_2([command, "tiny-cpu", *(["--dry-run"] if command == "launch" else []), "-o", override], expect)
     assert not any(tmp_path.iterdir())
 
 
-def test_launch_takes_code_references_it_can_find(tmp_path, monkeypatch):
+def test_launch_and_plan_take_code_references_they_can_find(tmp_path, monkeypatch):
     monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path))
-    r = runner.invoke(app, ["launch", "tiny-cpu", "--dry-run", "--name", "ok",
-                            "-o", "orchestrator.environment.name=rlctl.orchestrator.environments:CountAEnvironment",
-                            "-o", "orchestrator.reward.function=exact_match"])
+    found = ["-o", "orchestrator.environment.name=rlctl.orchestrator.environments:CountAEnvironment",
+             "-o", "orchestrator.reward.function=exact_match"]
+    r = runner.invoke(app, ["launch", "tiny-cpu", "--dry-run", "--name", "ok", *found])
     assert r.exit_code == 0 and "nothing started" in r.output, r.output
+    r = runner.invoke(app, ["plan", "tiny-cpu", "--json", *found])
+    assert r.exit_code == 0 and json.loads(r.output)["fits"], r.output
+
+
+@pytest.mark.parametrize("command", ["launch", "plan"])
+def test_launch_and_plan_refuse_a_dataset_they_cannot_read(command, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCTL_OUTPUT_DIR", str(tmp_path / "runs"))
+    missing = tmp_path / "missing.jsonl"
+    _one_line_2([command, "tiny-dataset-cpu", *(["--dry-run"] if command == "launch" else []),
+                 "-o", f'orchestrator.dataset.path="{missing}"'], "orchestrator.dataset.path:")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_plan_refuses_what_the_lora_trainer_does_not_do():
+    _one_line_2(["plan", "tiny-lora-cpu", "-o", "weights.transport=broadcast"],
+                "weights.transport: transport='broadcast' with trainer.lora.rank > 0")
 
 
 # ---- Slurm time limits ------------------------------------------------------------------------------
