@@ -67,6 +67,12 @@ TRAIN_LAYER_LAUNCH_S = {"eager": 1.2e-3, "compiled": 0.6e-3}
 """Fixed cost per layer per micro-batch (forward + backward): kernel launches, FSDP2 pre/post hooks,
 stream waits, the CPU side of autograd. It does not shrink with the tokens of the micro-batch, which is
 why trainer throughput stays nearly flat between short and long sequences at equal tokens per step."""
+TRAIN_ELEMENTWISE_MLP_SHARE = 0.55
+"""The MLP block's share of a layer's elementwise bytes and launches, the part `trainer.compile` leaves
+eager in an MoE layer. Counted, not fitted, from one Llama-3 8B layer's forward kernels in units of the
+hidden size: the MLP's norm, SwiGLU over its 3.5x-wide intermediate and residual add move about 26, the
+attention block's norm, RoPE on q and k and residual add about 19 (0.58); an MoE block's top-k
+intermediates, router and token copies come to about as much, so one share serves both."""
 RECOMPUTE_FACTOR_FULL_AC = 4.0 / 3.0
 """Full activation checkpointing re-runs the forward pass: 3 units of compute become 4 (LoRA: its
 backward has no weight gradients of the base, so the forward is 1/2 of the rest, see trainer/plan.py)."""

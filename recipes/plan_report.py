@@ -57,7 +57,7 @@ def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: fl
     the servers leave, as the local launcher gives them out) and the small ops of each token (fewer with
     `trainer.compile`), plus fixed costs (what dominates a tiny model): per micro-batch for each MoE layer,
     and with several ranks per step and per micro-batch for their collectives."""
-    from rlctl.trainer.plan import flops_per_token
+    from rlctl.trainer.plan import flops_per_token, per_layer_cost
 
     ranks = max(1, placement.trainer_ranks_per_node * placement.trainer_nodes)
     rows = max(1, math.ceil(tokens / max(1.0, mean_seq)))  # sequences in the batch
@@ -66,7 +66,8 @@ def cpu_trainer_time(spec, recipe, profile, placement, tokens: int, mean_seq: fl
     cores = max(1, profile.cpus_per_node) * max(1, placement.trainer_nodes)
     if profile.scheduler == "local":  # the servers share the host: the launcher leaves them a core each
         cores = ranks * shared_host_trainer_threads(cores, placement.inference_servers, ranks)
-    token_s = C.CPU_TRAIN_TOKEN_OVERHEAD_S * (C.CPU_TRAIN_COMPILED_TOKEN_SHARE if recipe.trainer.compile else 1.0)
+    token_share = {"eager": 1.0, "compiled": C.CPU_TRAIN_COMPILED_TOKEN_SHARE}  # MoE blocks stay eager
+    token_s = C.CPU_TRAIN_TOKEN_OVERHEAD_S * per_layer_cost(spec, token_share, recipe.trainer.compile, False)
     compute_s = (flops / C.CPU_TRAIN_FLOPS_PER_CORE + tokens * token_s) / cores
     per_micro_batch = spec.moe_layers * C.CPU_TRAIN_MOE_LAYER_OVERHEAD_S
     step_fixed = 0.0  # one rank: its fixed costs are within the per-token cost (fitted to one-rank runs)

@@ -1,4 +1,5 @@
-"""The streamed-completion parser against a real aiohttp server: connections are reused."""
+"""The streamed-completion parser against a real aiohttp server: connections are reused, events split
+anywhere across reads (LF or CRLF, with comments) are parsed whole, and a partial or failed stream raises."""
 from __future__ import annotations
 
 import asyncio

@@ -43,14 +43,15 @@ DENSE, SPARSE = 0.25, 0.35  # ±25% dense; ±35% MoE and LoRA
 
 
 def _train(model, kind, gpus, seq, mbs, *, ac, fp8, compiled, cp=1, tp=1, pp=1, vp=1, ep=1, tokens=None,
-           lora=None, kernel=None, balanced=False):
+           lora=None, kernel=None, balanced=False, compiled_moe=False):
     spec = get_model_spec(model)
     tr = NS(micro_batch_size=mbs, activation_checkpointing=ac, fp8=fp8, optimizer_dtype="float32", lora=lora)
     dp = gpus // (cp * tp * pp)
     return plan_trainer(spec, tr, gpus=gpus, gpus_per_node=8, gpu=gpu_spec(kind), seq_len=seq,
                         tokens_per_step=tokens or dp * mbs * seq, mean_seq=seq, inter_gbps=400, intra_gbps=7200,
                         ep=ep, cp=cp, tp=tp, fsdp=1 if pp > 1 else None, pp=pp, pp_virtual_stages=vp,
-                        compiled=compiled, attention_kernel=kernel, balanced_routing=balanced)
+                        compiled=compiled, attention_kernel=kernel, balanced_routing=balanced,
+                        compiled_moe=compiled_moe)
 
 
 # (case, source + figure, planner inputs, published tok/s/GPU, tolerance)
@@ -84,7 +85,7 @@ TRAINING = [
      829, DENSE),
     ("qwen3-30b-a3b-ep8", "AM Qwen3 MoE 30B, 8 GPUs, seq 4096, MBS 4, EP 8, TE + DeepEP, AC (fitted: MoE GEMMs)",
      dict(model="qwen3-30b-a3b", kind="h100-sxm", gpus=8, seq=4096, mbs=4, ac=True, fp8=False, compiled=True,
-          ep=8, tokens=512 * 4096, kernel="fa3", balanced=True),
+          ep=8, tokens=512 * 4096, kernel="fa3", balanced=True, compiled_moe=True),
      11842, SPARSE),
 ]
 
@@ -109,6 +110,17 @@ def test_published_throughput_nearly_flat_with_sequence_length():
     short = _train("llama-3.1-8b", "h100-96gb", 8, 16384, 1, ac=True, fp8=True, compiled=True, tokens=8 * 65536)
     long_ = _train("llama-3.1-8b", "h100-96gb", 8, 65536, 1, ac=True, fp8=True, compiled=True, tokens=8 * 65536)
     assert 1.0 < short.tokens_per_s / long_.tokens_per_s < 2.0
+
+
+def test_compile_credits_an_moe_layer_only_for_what_the_trainer_compiles():
+    # rlctl's trainer leaves the MoE block eager under trainer.compile: a recipe's compiled MoE model
+    # plans between eager and a run whose MoE blocks are fused too; a dense model is not affected.
+    moe = dict(model="qwen3-30b-a3b", kind="h100-sxm", gpus=8, seq=4096, mbs=4, ac=True, fp8=False, ep=8)
+    eager, recipe, fused = (_train(**moe, compiled=c, compiled_moe=f).tokens_per_s
+                            for c, f in ((False, False), (True, False), (True, True)))
+    assert eager < recipe < fused
+    dense = dict(model="llama-3.1-8b", kind="h100-96gb", gpus=8, seq=8192, mbs=2, ac=False, fp8=False, compiled=True)
+    assert _train(**dense).tokens_per_s == _train(**dense, compiled_moe=True).tokens_per_s
 
 
 def test_h200_is_faster_than_h100_at_equal_flops():

@@ -63,7 +63,8 @@ class TrainerConfig(StrictModel):
     """Recompute activations in backward (full per-layer recompute): less memory, ~33% more compute."""
     compile: bool = False
     """torch.compile each decoder layer (inductor, dynamic shapes; torchtitan's per-block compile): fused
-    elementwise kernels and fewer launches, planned as a compiled step. The trainer compiles before its
+    elementwise kernels and fewer launches, planned as a compiled step (an MoE layer's MoE block stays
+    eager, and is planned so). The trainer compiles before its
     first batch, while inference starts (seconds to minutes). Needs triton on GPUs, a C++ compiler on CPU."""
     fp8: bool = False
     """FP8 matmuls via torchao float8 training on GPUs with compute capability >= 8.9 (refused elsewhere)."""

@@ -168,8 +168,21 @@ def flops_per_token(spec, mean_seq: float) -> tuple[float, float, float]:
     return 6.0 * (matmul - expert), 6.0 * expert, float(attn)
 
 
+def per_layer_cost(spec, costs: dict, compiled: bool, compiled_moe: bool) -> float:
+    """The mean over the decoder layers of a per-layer {"eager", "compiled"} cost. rlctl's trainer never
+    traces the MoE block (trainer/compiled_layers.py): under `trainer.compile` an MoE layer's attention,
+    norms and residuals are compiled and its MoE block's share runs eager. `compiled_moe`: a published run
+    whose MoE block is fused too."""
+    if not compiled:
+        return costs["eager"]
+    eager_moe = 0 if compiled_moe else spec.moe_layers
+    share = C.TRAIN_ELEMENTWISE_MLP_SHARE
+    moe_layer = (1 - share) * costs["compiled"] + share * costs["eager"]
+    return ((spec.num_hidden_layers - eager_moe) * costs["compiled"] + eager_moe * moe_layer) / spec.num_hidden_layers
+
+
 def _seconds_per_token(spec, tr, gpu, kind: str, mean_seq: float, cp: int, tp: int, compiled: bool,
-                       attention_kernel: str, lora: int, lora_targets, imbalance: float) -> float:
+                       compiled_moe: bool, attention_kernel: str, lora: int, lora_targets, imbalance: float) -> float:
     """Compute seconds per token on one GPU (all of the model's work split over tp)."""
     dense_f, expert_f, attn_f = flops_per_token(spec, mean_seq)
     peak = gpu.bf16_tflops * 1e12
@@ -185,8 +198,8 @@ def _seconds_per_token(spec, tr, gpu, kind: str, mean_seq: float, cp: int, tp: i
             if spec.is_moe else 1.0)
     matmul_s = dense_f / gemm + expert_f * imbalance / (gemm * C.TRAIN_MOE_GEMM_EFF)
     attn_s = attn_f * cp_pen / (peak * attn_eff)
-    style = "compiled" if compiled else "eager"
-    elem_bytes = C.TRAIN_ELEMENTWISE_BYTES_PER_HIDDEN[style] * spec.hidden_size * spec.num_hidden_layers
+    elem_bytes = (per_layer_cost(spec, C.TRAIN_ELEMENTWISE_BYTES_PER_HIDDEN, compiled, compiled_moe)
+                  * spec.hidden_size * spec.num_hidden_layers)
     elem_s = elem_bytes / (gpu.hbm_tbps * 1e12 * C.TRAIN_HBM_EFF)
     # A full recompute re-runs the forward: +1/3 of the work, +1/2 under LoRA (its backward is smaller).
     recompute = 1.0
@@ -199,11 +212,12 @@ def plan_trainer(spec, tr, *, gpus: int, gpus_per_node: int, gpu, seq_len: int, 
                  mean_seq: float, inter_gbps: float, intra_gbps: float, ep: int, cp: int, tp: int,
                  fsdp: int | None, pp: int = 1, pp_virtual_stages: int = 1, compiled: bool = False,
                  attention_kernel: str | None = None, gpu_kind: str | None = None,
-                 balanced_routing: bool = False) -> TrainerPlan:
+                 balanced_routing: bool = False, compiled_moe: bool = False) -> TrainerPlan:
     """Size the trainer for fixed degrees (validated by the caller). fsdp None = all remaining GPUs.
-    `compiled`: decoder layers through torch.compile (a recipe's `trainer.compile`). `pp` (with its
-    interleaving), `attention_kernel` and `balanced_routing` describe published runs the trainer itself
-    does not run (it has no pipeline stages); recipes plan with the defaults."""
+    `compiled`: decoder layers through torch.compile (a recipe's `trainer.compile`; MoE blocks stay
+    eager). `pp` (with its interleaving), `attention_kernel`, `balanced_routing` and `compiled_moe` (fused
+    MoE blocks) describe published runs the trainer itself does not run (it has no pipeline stages);
+    recipes plan with the defaults."""
     kind = gpu_kind or gpu.name
     kernel = attention_kernel or C.TRAINER_ATTENTION_KERNEL
     if spec.index_n_heads and not attention_kernel:  # DSA: dense attention under an explicit mask (no flash)
@@ -223,13 +237,13 @@ def plan_trainer(spec, tr, *, gpus: int, gpus_per_node: int, gpu, seq_len: int, 
     # A learned router sends more tokens to some EP ranks than others; the busiest sets the pace of the
     # expert GEMMs and the all-to-all (benchmarks with a forced balanced gate do not pay it).
     imbalance = 1.0 if balanced_routing or ep <= 1 else C.MOE_ROUTING_IMBALANCE
-    sec_per_token = _seconds_per_token(spec, tr, gpu, kind, mean_seq, cp, tp, compiled, kernel, lora, targets,
-                                       imbalance)
+    sec_per_token = _seconds_per_token(spec, tr, gpu, kind, mean_seq, cp, tp, compiled, compiled_moe, kernel, lora,
+                                       targets, imbalance)
     tokens_gpu = tokens_per_step / gpus
     dp_ranks = max(1, gpus // model_ranks)
     micro = max(1, math.ceil(tokens_per_step / dp_ranks / (seq_len * tr.micro_batch_size)))
     layers_here = math.ceil(spec.num_hidden_layers / pp)
-    launch = micro * layers_here * C.TRAIN_LAYER_LAUNCH_S["compiled" if compiled else "eager"]
+    launch = micro * layers_here * per_layer_cost(spec, C.TRAIN_LAYER_LAUNCH_S, compiled, compiled_moe)
     compute_s = tokens_gpu * sec_per_token * tp + launch
     bubble = (pp - 1) / (micro * pp_virtual_stages) if pp > 1 else 0.0  # 1F1B, interleaved
     compute_s *= 1 + bubble
