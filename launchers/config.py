@@ -137,7 +137,8 @@ class MonitoringConfig(StrictModel):
     """Seconds a component (trainer, orchestrator, an inference server) may go without progress
     before `rlctl monitor` marks it `stalled` and `monitor --wait` / `launch --wait` exit 1 naming it.
     Waiting on another component does not count (the trainer waiting for rollouts is not stalled);
-    set it above the longest trainer step and model load you expect."""
+    set it above the longest trainer step, checkpoint save, model load and compile warm-up you expect
+    (`rlctl plan` warns when the planned step with its weight publish, or a checkpoint, is longer)."""
     backends: list[Literal["wandb", "tensorboard"]] = []
     """Where the orchestrator also sends every metric record, under `<run>/monitoring/`:
     `wandb` (offline mode; `wandb sync` uploads it later) and/or `tensorboard` (event files).

@@ -1,5 +1,6 @@
 """What `rlctl plan` derives from a composed plan: cost, the off-policy lag it implies, how long a
-checkpoint takes, and the warnings about GPUs a split leaves idle and a time limit too short to save."""
+checkpoint takes, and the warnings about GPUs a split leaves idle, a time limit too short to save and a stall
+timeout shorter than the trainer's work between heartbeats."""
 from __future__ import annotations
 
 import math
@@ -129,6 +130,9 @@ def warnings(report, recipe, profile) -> list[str]:
     slow_sync = sync_warning(report.weights, step)
     if slow_sync:
         out.append(slow_sync)
+    stall = _false_stall(report, recipe, ckpt_s)
+    if stall:
+        out.append(stall)
     if profile.scheduler == "slurm" and step is not None:
         for where, text in _time_limits(recipe):
             limit = slurm_seconds(text)
@@ -136,6 +140,22 @@ def warnings(report, recipe, profile) -> list[str]:
                 out.append(f"{where}={text} is shorter than one step plus a checkpoint ({_fmt(step + ckpt_s)}): "
                            "the job would end before it saves any progress")
     return out
+
+
+def _false_stall(report, recipe, ckpt_s: float) -> str | None:
+    """The trainer beats once per step and while it waits for a batch: its step with the weight publish,
+    or a checkpoint save, is work without a beat. Longer than the stall timeout, a healthy trainer is
+    reported stalled, and `launch --wait` exits 1."""
+    step = (report.trainer or {}).get("step_time_s")
+    if step is None:
+        return None
+    stretch = max(step + (report.weights or {}).get("trainer_side_s", 0.0), ckpt_s)
+    timeout = recipe.monitoring.stall_timeout_s
+    if timeout >= stretch:
+        return None
+    return (f"monitoring.stall_timeout_s={timeout:g} is shorter than the trainer's longest work between "
+            f"heartbeats ({_fmt(stretch)}, a step with its weight publish or a checkpoint): rlctl monitor and "
+            "launch --wait would report a working trainer stalled")
 
 
 def _time_limits(recipe) -> list[tuple[str, str]]:

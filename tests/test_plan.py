@@ -265,3 +265,16 @@ def test_auto_tp_leaves_half_the_budget_after_the_whole_reserve():
     assert auto["tp"] == 2 and mem["weights"] <= mem["kv_cache"]
     half = plan(load_recipe(["qwen3-30b-a3b"], over + ["inference.tp=1"])).to_json()["inference"]
     assert half["replica_memory_gib"]["decode"]["weights"] > half["replica_memory_gib"]["decode"]["kv_cache"]
+
+
+@pytest.mark.parametrize("recipe", ["recipes/glm5-swe.toml", "recipes/tiny-cpu.toml"])
+def test_a_stall_timeout_shorter_than_a_trainer_step_is_warned(recipe):
+    """The trainer beats once a step: a planned step (with its publish) longer than the stall timeout
+    would have a healthy trainer reported stalled; the default timeout is longer than both recipes' steps."""
+    rep = plan(load_recipe([recipe]))
+    longest = rep.trainer["step_time_s"] + rep.weights["trainer_side_s"]
+    assert not any("stall_timeout_s" in w for w in rep.warnings)
+    short = plan(load_recipe([recipe], [f"monitoring.stall_timeout_s={longest * 0.9:g}"]))
+    assert [w for w in short.warnings if w.startswith("monitoring.stall_timeout_s=")]
+    enough = plan(load_recipe([recipe], [f"monitoring.stall_timeout_s={longest * 1.1 + rep.cost['checkpoint_write_s']:g}"]))
+    assert not any("stall_timeout_s" in w for w in enough.warnings)
