@@ -146,10 +146,10 @@ def _false_stall(report, recipe, ckpt_s: float) -> str | None:
     """The trainer beats once per step and while it waits for a batch: its step with the weight publish,
     or a checkpoint save, is work without a beat. Longer than the stall timeout, a healthy trainer is
     reported stalled, and `launch --wait` exits 1."""
-    step = (report.trainer or {}).get("step_time_s")
+    step = report.trainer.get("step_time_s")
     if step is None:
         return None
-    stretch = max(step + (report.weights or {}).get("trainer_side_s", 0.0), ckpt_s)
+    stretch = max(step + report.weights.get("trainer_side_s", 0.0), ckpt_s)
     timeout = recipe.monitoring.stall_timeout_s
     if timeout >= stretch:
         return None

@@ -5,6 +5,10 @@ activation checkpointing) and against one eager rank with experts over ep = 2 in
 """
 from __future__ import annotations
 
+import getpass
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -12,7 +16,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from rlctl.recipes.errors import RecipeError
 from rlctl.recipes.load import load_recipe
 from rlctl.recipes.plan import plan
-from rlctl.trainer.compiled_layers import check_compile, compile_unavailable_reason, is_compiled, wrap_layers
+from rlctl.trainer.compiled_layers import (check_compile, compile_unavailable_reason, is_compiled,
+                                           use_user_compile_cache, wrap_layers)
 
 
 def _layers(n: int = 3) -> torch.nn.ModuleList:
@@ -93,6 +98,11 @@ def _warm_up_leaves_no_trace(rank, world, port, run_root):
     assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
     assert expert_load(trainer.model).sum() == 0
     assert not trainer.optimizer.state  # no optimizer step
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from rlctl.inference.server import compile_cache_dir
+
+    assert cache_dir() == compile_cache_dir() and any(Path(cache_dir()).iterdir())  # where the next job looks
 
 
 def test_the_compile_warm_up_leaves_weights_gradients_rng_and_expert_counts_as_they_were(tmp_path):
@@ -119,3 +129,22 @@ def test_plan_and_launch_refuse_a_local_compile_this_host_cannot_build(monkeypat
         assert len(lines) == 1 and "trainer.compile" in lines[0] and "no-such-cxx-compiler" in lines[0], result.output
     assert not any(tmp_path.iterdir())  # no run directory
     assert CliRunner().invoke(app, ["plan", "recipes/tiny-cpu.toml"]).exit_code == 0  # off: nothing checked
+
+
+def test_compiled_kernels_go_to_the_cache_the_users_jobs_share_unless_the_user_says_where(tmp_path, monkeypatch):
+    """A private /tmp per job would otherwise make every job, a resumed one too, compile again."""
+    job_tmp = tmp_path / "job-tmp"
+    job_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(job_tmp))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    shared = tmp_path / "xdg" / "rlctl" / "torchinductor"
+    assert use_user_compile_cache() == str(shared)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    assert cache_dir() == str(shared)
+    # torch's precompiled header goes under default_cache_dir() (<tmp>/torchinductor_<user>): into the cache
+    assert Path(default_cache_dir()) == job_tmp / f"torchinductor_{getpass.getuser()}"
+    assert Path(default_cache_dir()).resolve() == shared.resolve()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_user_compile_cache() == str(tmp_path / "mine") and cache_dir() == str(tmp_path / "mine")

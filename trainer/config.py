@@ -64,8 +64,9 @@ class TrainerConfig(StrictModel):
     compile: bool = False
     """torch.compile each decoder layer (inductor, dynamic shapes; torchtitan's per-block compile): fused
     elementwise kernels and fewer launches, planned as a compiled step (an MoE layer's MoE block stays
-    eager, and is planned so). The trainer compiles before its
-    first batch, while inference starts (seconds to minutes). Needs triton on GPUs, a C++ compiler on CPU."""
+    eager, and is planned so). The trainer compiles before its first batch, while inference starts (seconds
+    to minutes; a later job of the user's finds the kernels in TORCHINDUCTOR_CACHE_DIR, default
+    $XDG_CACHE_HOME/rlctl/torchinductor). Needs triton on GPUs, a C++ compiler on CPU."""
     fp8: bool = False
     """FP8 matmuls via torchao float8 training on GPUs with compute capability >= 8.9 (refused elsewhere)."""
     micro_batch_size: Annotated[int, Field(ge=1, le=4096)] = 1

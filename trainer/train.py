@@ -62,6 +62,10 @@ class Trainer:
         self.run, self.recipe, self.cfg = run, recipe, recipe.trainer
         self.term = term or TermFlag()
         self.loss_fn = load_loss(self.cfg.loss.path)
+        if self.cfg.compile:  # before torch looks up its cache dir and fixes it in the environment
+            from rlctl.trainer.compiled_layers import use_user_compile_cache
+
+            use_user_compile_cache()
         resume_step = resolve_resume_step(run.checkpoints, resume)
         if resume_step is not None:
             require_complete(run.checkpoints, resume_step)  # fail before the expensive set-up
@@ -148,7 +152,8 @@ class Trainer:
         length = min(max_len, self.recipe.orchestrator.expected_mean_tokens or max_len // 2)
         t0 = time.perf_counter()
         warm_up_compile(self.step_ctx, length)
-        self.log(f"trainer.compile: {compile_summary()} before the first batch, in {time.perf_counter() - t0:.1f}s")
+        self.log(f"trainer.compile: {compile_summary()} before the first batch, in {time.perf_counter() - t0:.1f}s "
+                 f"(kernels cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})")
 
     # ---- one step ------------------------------------------------------------------------
     def train_step(self, batch: dict) -> dict:
