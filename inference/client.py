@@ -8,9 +8,7 @@ server directly, never through the router — which would also forward an unknow
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -264,28 +262,6 @@ class InferenceClient:
         """POST /v1/completions asking for sampled-token logprobs and token ids (see `parse_samples`)."""
         body = self._completion_body(prompt, max_tokens, temperature, top_p, n, cache_salt, prompt_logprobs, stop, extra)
         return (await self._request("POST", "/v1/completions", json=body)).json()
-
-    async def stream(self, prompt: str | list[int], *, max_tokens: int, temperature: float = 1.0,
-                     top_p: float = 1.0, n: int = 1, cache_salt: str | None = None, stop: list[str] | None = None,
-                     extra: dict | None = None) -> AsyncIterator[tuple[int, list[int], list[float], str | None]]:
-        """Streamed completion: yields (choice index, new token ids, their logprobs, finish_reason) as
-        tokens arrive, so a caller can tag each token with the policy version current when it came."""
-        body = self._completion_body(prompt, max_tokens, temperature, top_p, n, cache_salt, None, stop, extra)
-        body["stream"] = True
-        route = "/v1/completions"
-        try:
-            async with self.http.stream("POST", route, json=body) as resp:
-                if resp.status_code >= 400:
-                    raise InferenceError(f"{self.url}{route}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        lp = choice.get("logprobs") or {}
-                        yield (choice["index"], list(choice.get("token_ids") or []),
-                               [float(x) for x in lp.get("token_logprobs") or []], choice.get("finish_reason"))
-        except httpx.HTTPError as e:
-            raise InferenceError(f"{self.url}{route}: {type(e).__name__}: {e}") from e
 
 
 def announced_servers(run) -> list[InferenceClient]:

@@ -21,6 +21,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from rlctl.inference.client import (  # noqa: E402
+    SAMPLED_LOGPROBS,
+    SERVED_MODEL_NAME,
     InferenceClient,
     InferenceError,
     parse_samples,
@@ -257,6 +259,24 @@ def test_reload_refuses_a_step_without_marker(server, tmp_path):
     assert proc.poll() is None  # a refused reload does not take the server down
 
 
+async def stream_as_the_rollout_loop_does(url: str, api_key: str) -> dict[int, tuple[list, list]]:
+    """A streamed completion read by the orchestrator's own parser (aiohttp, completion_stream):
+    {choice index: (token ids, logprobs)}."""
+    import aiohttp
+
+    from rlctl.orchestrator.completion_stream import streamed_choices
+
+    body = {"model": SERVED_MODEL_NAME, "prompt": "abc", "n": 2, "max_tokens": 12, "ignore_eos": True,
+            "stream": True, **SAMPLED_LOGPROBS}
+    streamed = {0: ([], []), 1: ([], [])}
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as session:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            async for choice, _version, ids, lps in streamed_choices(resp, None):
+                streamed[choice["index"]][0].extend(ids)
+                streamed[choice["index"]][1].extend(lps)
+    return streamed
+
+
 def test_completions_through_router(server, tmp_path):
     run, info, token, proc = server
     started = time.monotonic()
@@ -275,14 +295,10 @@ def test_completions_through_router(server, tmp_path):
                 # the router forwards `vllm_xargs` (the token-id logprobs xarg rides on it): vLLM refuses this one
                 with pytest.raises(InferenceError, match="400"):
                     await via.complete("abc", max_tokens=1, extra={"vllm_xargs": {"nested": {"not": "allowed"}}})
-                streamed = {0: ([], []), 1: ([], [])}
-                async for index, ids, logprobs, _ in via.stream("abc", max_tokens=12, n=2, extra={"ignore_eos": True}):
-                    streamed[index][0].extend(ids)
-                    streamed[index][1].extend(logprobs)
-                assert all(len(ids) == len(lps) == 12 for ids, lps in streamed.values())
-                return resp
+                return resp, await stream_as_the_rollout_loop_does(router.url, run.api_key())
 
-        resp = asyncio.run(go())
+        resp, streamed = asyncio.run(go())
+        assert all(len(ids) == len(lps) == 12 for ids, lps in streamed.values())
         # rlctl's requests get the sampled tokens' logprobs alone; the text is still detokenised
         # (a whole response also names vLLM's other fields, empty)
         assert all(not c["logprobs"].get(k) for c in resp["choices"] for k in ("tokens", "top_logprobs", "text_offset"))
