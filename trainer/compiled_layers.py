@@ -65,8 +65,8 @@ def check_compile(trainer_cfg, device) -> None:
 def use_user_compile_cache() -> str:
     """Send inductor's kernels to the cache the user's runs share (as the inference servers do, see
     rlctl.inference.server.compile_cache_dir), not torch's default under /tmp: with a private /tmp per
-    job, as Slurm's job_container/tmpfs gives, every job compiled again, a resumed one too (the tiny
-    model's first step waited 15.6 s with a cold cache, 1.5 s with a warm one). torch puts its
+    job, as Slurm's job_container/tmpfs gives, every job compiled again, a resumed one too (docs/trainer.md:
+    14.4 s to the first step with a cold cache, 1.9 s with a warm one). torch puts its
     precompiled C++ header under `<tmp>/torchinductor_<user>` whatever the cache dir, hence the link.
     The user's TORCHINDUCTOR_CACHE_DIR wins. Returns the directory."""
     import tempfile
