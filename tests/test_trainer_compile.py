@@ -79,6 +79,10 @@ def _warm_up_leaves_no_trace(rank, world, port, run_root):
     # the environment torchrun gives a rank on one node; the Trainer joins the group from it
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # as a launched trainer starts: no cache dir set (pytest's own compiles set torch's default in the
+    # environment this process inherited), the user's cache under XDG_CACHE_HOME
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    os.environ["XDG_CACHE_HOME"] = str(Path(run_root).parent / "xdg")
     from torch._dynamo.utils import counters
 
     from rlctl.orchestrator.exchange.layout import RunDir
@@ -100,9 +104,8 @@ def _warm_up_leaves_no_trace(rank, world, port, run_root):
     assert not trainer.optimizer.state  # no optimizer step
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    from rlctl.inference.server import compile_cache_dir
-
-    assert cache_dir() == compile_cache_dir() and any(Path(cache_dir()).iterdir())  # where the next job looks
+    shared = Path(run_root).parent / "xdg" / "rlctl" / "torchinductor"  # where the user's next job looks
+    assert cache_dir() == str(shared) and any(shared.iterdir())
 
 
 def test_the_compile_warm_up_leaves_weights_gradients_rng_and_expert_counts_as_they_were(tmp_path):
@@ -137,11 +140,12 @@ def test_compiled_kernels_go_to_the_cache_the_users_jobs_share_unless_the_user_s
     job_tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(job_tmp))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    shared = tmp_path / "xdg" / "rlctl" / "torchinductor"
-    assert use_user_compile_cache() == str(shared)
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert cache_dir() == default_cache_dir()  # torch's first look puts its default in the environment
+    shared = tmp_path / "xdg" / "rlctl" / "torchinductor"
+    assert use_user_compile_cache() == str(shared)
     assert cache_dir() == str(shared)
     # torch's precompiled header goes under default_cache_dir() (<tmp>/torchinductor_<user>): into the cache
     assert Path(default_cache_dir()) == job_tmp / f"torchinductor_{getpass.getuser()}"
