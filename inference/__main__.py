@@ -21,9 +21,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from rlctl.inference.caches import share_compile_cache
 from rlctl.inference.server import (ADDRESS_IN_USE, PORT_TRIES, check_model_for_target, data_parallel,
                                     format_command, free_port, inference_target, render_server_command,
-                                    server_env, share_compile_cache, tensor_parallel)
+                                    server_env, tensor_parallel)
 from rlctl.inference.ipc_dir import ipc_safe_tmpdir
 from rlctl.inference.processes import exit_status, own_group_dying_with_parent, private_umask, stop_process_group
 from rlctl.orchestrator.exchange.heartbeat import Heartbeat, beat_interval

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from rlctl.inference.auth import ADMIN_TOKEN_ENV, API_KEY_ENV
+from rlctl.inference.caches import compile_cache_dir, vllm_cache_dir
 from rlctl.inference.processes import python_module_argv
 from rlctl.recipes.errors import RecipeError
 
@@ -232,53 +233,6 @@ def render_server_command(
     if inf.kv_offload.tier == "cpu":
         cmd += ["--kv-offloading-size", str(inf.kv_offload.cpu_gib), "--kv-offloading-backend", "native"]
     return cmd
-
-
-def user_cache_dir(name: str, override_env: str) -> str:
-    """A cache shared by the user's runs: `$XDG_CACHE_HOME/rlctl/<name>` (or ~/.cache), unless the user
-    names one in `override_env`. For caches keyed by code and versions, which are safe to share."""
-    if os.environ.get(override_env):
-        return os.environ[override_env]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return str(base / "rlctl" / name)
-
-
-def compile_cache_dir() -> str:
-    """Where torch's inductor keeps the kernels it compiles, shared by the user's runs.
-
-    vLLM compiles a few sampler kernels with a C++ compiler on the first sampled request (on 2 CPU
-    cores 8-10 s of the server's start). The default place is under TMPDIR, which a server points into
-    its run directory, so every run compiled them again; keyed by code and torch version, they are
-    safe to share."""
-    return user_cache_dir("torchinductor", "TORCHINDUCTOR_CACHE_DIR")
-
-
-def vllm_cache_dir() -> str:
-    """vLLM's own cache, shared by the user's runs as vLLM itself shares ~/.cache/vllm. Its model-class
-    facts (`modelinfos/`, keyed by a hash of the model's source) are otherwise found by importing vLLM
-    once more in a subprocess at every server start (8-17 s on 2 CPU cores)."""
-    return user_cache_dir("vllm", "VLLM_CACHE_ROOT")
-
-
-def share_compile_cache(tmpdir: str | Path, cache_dir: str | Path) -> None:
-    """Point `<tmpdir>/torchinductor_<user>` at `cache_dir`: torch puts its precompiled C++ header
-    (≈ 150 MB, most of the first request's compile time) there whatever TORCHINDUCTOR_CACHE_DIR says, and
-    the server's tmpdir is inside its run. A path that already exists is left as it is."""
-    import getpass
-    import re
-
-    try:
-        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # as torch names it
-    except (KeyError, OSError):
-        return
-    link = Path(tmpdir) / f"torchinductor_{user}"
-    if link.exists() or link.is_symlink():
-        return
-    try:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        link.symlink_to(Path(cache_dir).resolve(), target_is_directory=True)
-    except OSError:
-        pass  # the server then compiles into its own tmpdir, as before: slower, not wrong
 
 
 # How long a server keeps an idle connection open: longer than any of its clients keeps one (vllm-router

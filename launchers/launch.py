@@ -333,7 +333,7 @@ def _maybe_build_model(run: RunDir, recipe) -> None:
 
     if is_tiny_model(recipe.model.name):
         from rlctl.inference.processes import PRIVATE_UMASK
-        from rlctl.inference.server import user_cache_dir
+        from rlctl.inference.caches import user_cache_dir
 
         umask = os.umask(PRIVATE_UMASK)  # the run's files are the owner's only, as everything else in it
         try:

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from rlctl.inference.auth import ADMIN_TOKEN_ENV, API_KEY_ENV
+from rlctl.inference.caches import share_compile_cache, torch_default_compile_dir
 from rlctl.inference.router import render_router_command
 from rlctl.inference.server import (
     check_model_for_target,
@@ -163,6 +164,22 @@ def test_code_keyed_caches_are_shared_between_runs_unless_the_user_says_where(tm
     assert "VLLM_CPU_KVCACHE_SPACE" not in server_env(r, "gpu", tmp_path, TOKEN, "api-key")
 
 
+def test_servers_do_not_inherit_the_tmp_cache_torch_put_in_the_launchers_environment(tmp_path, monkeypatch):
+    """torch's first look at its cache dir writes its default (under this process's /tmp) into the
+    environment: a launcher that had imported torch._dynamo would otherwise hand that to every server."""
+    import tempfile
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "job_tmp"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert cache_dir() == os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(torch_default_compile_dir())
+    env = server_env(recipe(), "cpu", tmp_path / "run", TOKEN, "k")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "xdg" / "rlctl" / "torchinductor")
+
+
+
 def test_a_one_worker_cpu_engine_keeps_its_worker_in_process_unless_the_user_says(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     r = recipe()
@@ -210,8 +227,6 @@ def test_dtype_auto_follows_the_trainer():
 def test_the_servers_tmpdir_sends_torchs_precompiled_headers_to_the_shared_cache(tmp_path):
     import getpass
 
-    from rlctl.inference.server import share_compile_cache
-
     run_tmp, shared = tmp_path / "run" / "tmp", tmp_path / "shared"
     run_tmp.mkdir(parents=True)
     share_compile_cache(run_tmp, shared)
@@ -220,6 +235,14 @@ def test_the_servers_tmpdir_sends_torchs_precompiled_headers_to_the_shared_cache
     header_dir = run_tmp / f"torchinductor_{getpass.getuser()}"
     (header_dir / "precompiled_headers").mkdir(parents=True)
     assert (shared / "precompiled_headers").is_dir() and not (tmp_path / "other").exists()
+    # the empty directory torch's first look creates gives way to the link; one with content stays
+    torch_tmp, kept_tmp = tmp_path / "torch_looked", tmp_path / "kept"
+    torch_default_compile_dir(torch_tmp).mkdir(parents=True)
+    (torch_default_compile_dir(kept_tmp) / "kernels").mkdir(parents=True)
+    share_compile_cache(torch_tmp, shared)
+    share_compile_cache(kept_tmp, shared)
+    assert torch_default_compile_dir(torch_tmp).resolve() == shared.resolve()
+    assert not torch_default_compile_dir(kept_tmp).is_symlink()
 
 
 def test_the_cpu_entry_keeps_fork_unless_the_user_chose(monkeypatch):

@@ -63,30 +63,18 @@ def check_compile(trainer_cfg, device) -> None:
 
 
 def use_user_compile_cache() -> str:
-    """Send inductor's kernels to the cache the user's runs share (as the inference servers do, see
-    rlctl.inference.server.compile_cache_dir), not torch's default under /tmp: with a private /tmp per
+    """Send inductor's kernels to the cache the user's runs share, as the inference servers do
+    (rlctl.inference.caches.compile_cache_dir), not torch's default under /tmp: with a private /tmp per
     job, as Slurm's job_container/tmpfs gives, every job compiled again, a resumed one too (docs/trainer.md:
-    14.4 s to the first step with a cold cache, 1.9 s with a warm one). torch puts its
-    precompiled C++ header under `<tmp>/torchinductor_<user>` whatever the cache dir, hence the link.
-    The user's TORCHINDUCTOR_CACHE_DIR wins, unless it is torch's default: torch writes that into the
-    environment the first time it looks (importing torch._dynamo does), so it is not the user's choice.
-    Returns the directory."""
+    14.4 s to the first step with a cold cache, 1.9 s with a warm one). torch puts its precompiled C++
+    header under `<tmp>/torchinductor_<user>` whatever the cache dir, hence the link. Holds after torch
+    has looked up its cache dir: it reads the variable at each lookup. Returns the directory."""
     import tempfile
 
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from rlctl.inference.caches import compile_cache_dir, share_compile_cache
 
-    from rlctl.inference.server import compile_cache_dir, share_compile_cache
-
-    torch_default = default_cache_dir()
-    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if named and os.path.abspath(named) == os.path.abspath(torch_default):
-        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    try:  # that first look also created the directory, empty: the link takes its place
-        os.rmdir(torch_default)
-    except OSError:
-        pass  # absent, not empty, or already the link
     cache = compile_cache_dir()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read by torch at each lookup, not at import
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     share_compile_cache(tempfile.gettempdir(), cache)
     return cache
 

@@ -62,7 +62,7 @@ class Trainer:
         self.run, self.recipe, self.cfg = run, recipe, recipe.trainer
         self.term = term or TermFlag()
         self.loss_fn = load_loss(self.cfg.loss.path)
-        if self.cfg.compile:  # before torch looks up its cache dir and fixes it in the environment
+        if self.cfg.compile:  # before the first compile: kernels go where torch's cache dir points then
             from rlctl.trainer.compiled_layers import use_user_compile_cache
 
             use_user_compile_cache()
